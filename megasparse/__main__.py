@@ -1,0 +1,3 @@
+from megasparse.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The ``megasparse`` command: ``config``, ``prepare-data`` and ``train``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import yaml
+
+from megasparse.config import Config, load_config
+from megasparse.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except UserError as exc:
+        print(f"megasparse: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megasparse", description=__doc__)
+    # The deepspeed launcher passes --local_rank; the rank is read from the environment instead.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    show = commands.add_parser("config", help="print the resolved config and the DeepSpeed JSON derived from it")
+    _config_arguments(show, required=True)
+    show.add_argument("--world-size", type=int, default=1, help="number of processes the DeepSpeed JSON is for")
+    show.set_defaults(run=_show_config)
+
+    prep = commands.add_parser("prepare-data", help="tokenize text into packed shards (default: embedded corpus)")
+    _config_arguments(prep, required=False)
+    prep.add_argument("--files", nargs="+", help="text files or globs (.txt, .jsonl, .json, .parquet): data.files")
+    prep.add_argument("--hf-dataset", help="Hugging Face hub dataset to stream: data.hf_dataset")
+    prep.add_argument("--tokenizer", help="an existing SentencePiece model: data.tokenizer")
+    prep.add_argument("--vocab-size", type=int, help="size of the tokenizer to train: data.vocab_size")
+    prep.add_argument("--out", help="output directory: data.path")
+    prep.set_defaults(run=_prepare_data)
+
+    run = commands.add_parser("train", help="train (single process, or under deepspeed / torchrun / mpiexec)")
+    _config_arguments(run, required=True)
+    run.add_argument("--resume", metavar="auto|PATH",
+                     help="'auto': newest complete checkpoint in the checkpoint directory; or a checkpoint path")
+    run.set_defaults(run=_train)
+    return parser
+
+
+def _config_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("config", nargs=None if required else "?", metavar="CONFIG",
+                        help="a YAML file or the name of a shipped config (configs/NAME.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable)")
+
+
+def _show_config(args: argparse.Namespace) -> None:
+    from megasparse.train.deepspeed_config import deepspeed_config
+
+    cfg = load_config(args.config, args.overrides)
+    print("# resolved megasparse config")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(f"# DeepSpeed config for {args.world_size} process(es)")
+    print(json.dumps(deepspeed_config(cfg, args.world_size), indent=2))
+
+
+def _prepare_data(args: argparse.Namespace) -> None:
+    from megasparse.data.prepare import prepare_data
+
+    flags = {"files": args.files, "hf_dataset": args.hf_dataset, "tokenizer": args.tokenizer,
+             "vocab_size": args.vocab_size, "path": args.out}
+    overrides = args.overrides + [f"data.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    cfg: Config = load_config(args.config, overrides)
+    data = prepare_data(cfg.data)
+    splits = ", ".join(f"{name} {split['tokens']:,} tokens in {split['documents']:,} documents"
+                       for name, split in data.index["splits"].items())
+    print(f"prepared {data.directory}: {splits}; vocabulary {data.vocab_size}")
+
+
+def _train(args: argparse.Namespace) -> None:
+    import deepspeed
+
+    from megasparse.train.trainer import train
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    train(load_config(args.config, args.overrides), resume=args.resume)

@@ -1,0 +1,70 @@
+"""Deterministic, data-parallel, exactly resumable batches of token windows.
+
+All processes read one global stream of windows: position p (counted over the whole run)
+is window ``perm_e[p mod N]`` of the N training windows, where e = p // N is the epoch and
+``perm_e`` a permutation seeded by (seed, e). Optimizer step s consumes the positions
+[c, c + G) with c the samples consumed before it and G the global batch. Micro-step m of
+data-parallel rank r takes the M positions starting at c + (m * D + r) * M (D ranks, M the
+micro batch), so the union over ranks and micro-steps is the same global batch for any D and
+any gradient accumulation, and the whole loader state is one integer, ``consumed_samples``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megasparse.data.shards import TokenWindows
+
+
+class PretrainingBatches:
+    def __init__(self, windows: TokenWindows, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0) -> None:
+        assert global_batch_size % (micro_batch_size * dp_size) == 0
+        self.windows, self.seed = windows, seed
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = consumed_samples
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) micro-batches for the next optimizer step."""
+        micro = []
+        for m in range(self.accumulation_steps):
+            start = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.micro_batch_size
+            rows = np.stack([self.windows[self._window_at(p)] for p in range(start, start + self.micro_batch_size)])
+            tokens = torch.from_numpy(rows)
+            micro.append((tokens[:, :-1], tokens[:, 1:]))
+        self.consumed_samples += self.global_batch_size
+        return micro
+
+    def _window_at(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.windows))
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+        return int(self._perm[offset])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def evaluation_batches(windows: TokenWindows, samples: int, micro_batch_size: int, dp_rank: int,
+                       dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the first ``samples`` validation windows, in micro-batches.
+
+    Rank r takes windows r, r + D, r + 2D, ...; the evaluator sums losses and counts over
+    ranks, so the mean is the same for any D.
+    """
+    mine = range(dp_rank, min(samples, len(windows)), dp_size)
+    batches = []
+    for i in range(0, len(mine), micro_batch_size):
+        tokens = torch.from_numpy(np.stack([windows[j] for j in mine[i:i + micro_batch_size]]))
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches

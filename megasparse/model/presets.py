@@ -1,0 +1,18 @@
+"""Named LLaMA shapes (hidden size, layers, heads, SwiGLU width).
+
+The 9M to 1B shapes follow the LLaMA configs used by the GaLore / ReLoRA / SLTrain line of
+memory-efficient pretraining papers, so results are comparable with theirs. The vocabulary
+size is not part of a shape: it always comes from the tokenizer of the data.
+"""
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "llama-tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 176},
+    "llama-9m": {"dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 352},
+    "llama-20m": {"dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 688},
+    "llama-35m": {"dim": 384, "n_layers": 6, "n_heads": 8, "ffn_dim": 1024},
+    "llama-60m": {"dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376},
+    "llama-130m": {"dim": 768, "n_layers": 12, "n_heads": 12, "ffn_dim": 2048},
+    "llama-240m": {"dim": 768, "n_layers": 24, "n_heads": 16, "ffn_dim": 2416},
+    "llama-350m": {"dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_dim": 2736},
+    "llama-1b": {"dim": 2048, "n_layers": 24, "n_heads": 32, "ffn_dim": 5461},
+}

@@ -1,0 +1,52 @@
+"""Process-group setup through DeepSpeed's communication layer, and small collective helpers."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from megasparse.errors import UserError
+from megasparse.parallel.launch_env import LaunchEnv
+
+T = TypeVar("T")
+
+
+def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
+    """Join the process group on the accelerator's backend (NCCL on CUDA, gloo on CPU)."""
+    launch.export()
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1; other launchers leave every rank all cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    accelerator = get_accelerator()
+    accelerator.set_device(launch.local_rank)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
+                               timeout=timedelta(minutes=timeout_minutes), verbose=False)
+
+
+def is_main_process() -> bool:
+    return dist.get_rank() == 0
+
+
+def rank0_runs(work: Callable[[], T], what: str) -> T | None:
+    """Run ``work`` on rank 0 only, while the other ranks wait; if it fails, fail on every rank.
+
+    Rank 0 re-raises its own error; the others raise a one-line error naming ``what`` failed.
+    """
+    result, error = None, None
+    if is_main_process():
+        try:
+            result = work()
+        except Exception as exc:  # re-raised below, after the others know
+            error = exc
+    failed = torch.tensor([1.0 if error else 0.0], device=get_accelerator().current_device_name())
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise UserError(f"{what} failed on rank 0 (see its error)")
+    return result

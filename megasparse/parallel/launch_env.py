@@ -1,0 +1,103 @@
+"""Rank discovery from the environment each launcher leaves behind.
+
+- ``torchrun``, ``deepspeed`` and anything else that exports the torch.distributed variables:
+  ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``).
+- ``mpiexec``/``mpirun``: Open MPI's ``OMPI_COMM_WORLD_*`` or MPICH/Intel MPI's ``PMI_RANK``,
+  ``PMI_SIZE``, ``MPI_LOCALRANKID``. The rendezvous address is ``MASTER_ADDR`` when set, the
+  loopback address when every rank is on this host, and rank 0's address (sent over MPI with
+  mpi4py) when the job spans hosts. DeepSpeed's own MPI discovery uses the first address of
+  ``hostname -I`` even on one host, which is not always reachable; this avoids that.
+- Nothing: a single process, rendezvous on loopback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megasparse.errors import UserError
+
+DEFAULT_PORT = 29500
+_TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# launcher: (rank, size, local rank, local size) variable names
+_MPI_VARS = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str  # "single", "env" (torchrun, deepspeed, ...), "openmpi" or "mpich"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    def export(self) -> None:
+        """Set the torch.distributed variables, so ``env://`` rendezvous finds them."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+                          LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=self.master_addr,
+                          MASTER_PORT=str(self.master_port))
+
+
+def discover_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        missing = [name for name in _TORCH_VARS if name not in env]
+        if missing:
+            raise UserError(f"incomplete launcher environment: RANK/WORLD_SIZE set but {', '.join(missing)} missing")
+        world = _int(env, "WORLD_SIZE")
+        local_world = _int(env, "LOCAL_WORLD_SIZE", _int(env, "LOCAL_SIZE", world))
+        return _checked(LaunchEnv("env", _int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0), local_world,
+                                  env["MASTER_ADDR"], _int(env, "MASTER_PORT")))
+    for launcher, (rank_var, size_var, local_var, local_size_var) in _MPI_VARS.items():
+        if rank_var in env:
+            rank, world = _int(env, rank_var), _int(env, size_var)
+            local_world = _int(env, local_size_var, world)
+            addr = env.get("MASTER_ADDR") or ("127.0.0.1" if local_world == world else _rank0_address())
+            return _checked(LaunchEnv(launcher, rank, world, _int(env, local_var, rank), local_world, addr,
+                                      _int(env, "MASTER_PORT", DEFAULT_PORT)))
+    port = _int(env, "MASTER_PORT", 0) or free_port()
+    return LaunchEnv("single", 0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def _checked(launch: LaunchEnv) -> LaunchEnv:
+    if not 0 <= launch.rank < launch.world_size:
+        raise UserError(f"launcher environment: rank {launch.rank} is outside world size {launch.world_size}")
+    if not 0 <= launch.local_rank < launch.local_world_size:
+        raise UserError(f"launcher environment: local rank {launch.local_rank} is outside local size "
+                        f"{launch.local_world_size}")
+    return launch
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in env:
+        if default is None:
+            raise UserError(f"launcher environment: {name} is not set")
+        return default
+    try:
+        return int(env[name])
+    except ValueError:
+        raise UserError(f"launcher environment: {name}={env[name]!r} is not an integer") from None
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank0_address() -> str:
+    """Rank 0's host address, broadcast to every rank over MPI (multi-host MPI jobs)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise UserError("an MPI job across hosts needs mpi4py (pip install 'megasparse[mpi]') "
+                        "or MASTER_ADDR set to rank 0's address") from None
+    address = socket.gethostbyname(socket.getfqdn()) if MPI.COMM_WORLD.Get_rank() == 0 else None
+    return MPI.COMM_WORLD.bcast(address, root=0)

@@ -1,0 +1,130 @@
+"""Training checkpoints through the DeepSpeed engine, with what exact resume needs.
+
+Layout: ``<checkpoint dir>/step_00001000/`` holds DeepSpeed's files (module, optimizer
+partitions, scheduler) and ``megasparse.json`` (step, data position, config, layout). Rank 0
+writes ``megasparse.json`` last, after every rank has finished its files, so a tag directory
+without it is incomplete and ``--resume auto`` passes over it.
+
+The DeepSpeed client state carries the loader position and the RNG states; with those, the
+weights after resuming at step k and training to n equal an uninterrupted run bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed.comm as dist
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from megasparse.config import Config, config_from_dict
+from megasparse.errors import UserError
+
+META_FILE = "megasparse.json"
+_TAG = re.compile(r"^step_(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass
+class CheckpointMeta:
+    """The contents of ``megasparse.json``."""
+
+    step: int
+    consumed_samples: int
+    tokens: int
+    config: dict[str, Any]
+    vocab_size: int
+    tokenizer_sha256: str
+    world_size: int
+    data_parallel_size: int
+
+    @classmethod
+    def read(cls, tag_dir: Path) -> "CheckpointMeta":
+        try:
+            return cls(**json.loads((tag_dir / META_FILE).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"checkpoint '{tag_dir}' has an unreadable {META_FILE}: {exc}") from None
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Tag directories with their completion file, oldest first."""
+    if not directory.is_dir():
+        return []
+    tags = [p for p in directory.iterdir() if _TAG.match(p.name) and (p / META_FILE).is_file()]
+    return sorted(tags, key=lambda p: p.name)
+
+
+def resolve_resume(resume: str | None, directory: Path) -> Path | None:
+    """The tag directory to resume from: ``auto`` (newest complete one, if any), a tag
+    directory, or a checkpoint directory (its newest)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(directory)
+        return found[-1] if found else None
+    path = Path(resume)
+    if (path / META_FILE).is_file():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise UserError(f"--resume {resume}: no complete megasparse checkpoint there")
+    return found[-1]
+
+
+def save_checkpoint(engine, directory: Path, meta: CheckpointMeta, client_state: dict[str, Any]) -> Path:
+    """Write a checkpoint on every rank; returns its tag directory."""
+    tag = tag_for(meta.step)
+    engine.save_checkpoint(str(directory), tag=tag, client_state={"megasparse": client_state})
+    tag_dir = directory / tag
+    if dist.get_rank() == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
+        (tag_dir / META_FILE).write_text(json.dumps(meta.__dict__, indent=2) + "\n")
+    dist.barrier()
+    return tag_dir
+
+
+def load_checkpoint(engine, tag_dir: Path) -> dict[str, Any]:
+    """Load module, optimizer and scheduler state into ``engine``; return the client state."""
+    path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    if path is None or not client_state or "megasparse" not in client_state:
+        raise UserError(f"checkpoint '{tag_dir}' could not be loaded by DeepSpeed")
+    return client_state["megasparse"]
+
+
+def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokenizer_sha256: str,
+                     data_parallel_size: int, tag_dir: Path) -> None:
+    """Fail with one line if the checkpoint cannot continue this run."""
+    saved = config_from_dict(meta.config)
+    for key, ours in cfg.model.__dict__.items():
+        theirs = getattr(saved.model, key)
+        if key != "preset" and theirs != ours:
+            raise UserError(f"checkpoint '{tag_dir}' is for another model: model.{key}={theirs}, this config has {ours}")
+    if meta.vocab_size != vocab_size:
+        raise UserError(f"checkpoint '{tag_dir}' has vocabulary size {meta.vocab_size}, the data's tokenizer {vocab_size}")
+    if meta.tokenizer_sha256 != tokenizer_sha256:
+        raise UserError(f"checkpoint '{tag_dir}' was trained with another tokenizer than the data at {cfg.data.path}")
+    if saved.training.precision != cfg.training.precision:
+        raise UserError(f"checkpoint '{tag_dir}' is {saved.training.precision}; this config trains in "
+                        f"{cfg.training.precision}")
+    saved_stage, stage = saved.parallel.zero_stage, cfg.parallel.zero_stage
+    if (saved_stage == 0) != (stage == 0):
+        raise UserError(f"checkpoint '{tag_dir}' was written at ZeRO stage {saved_stage}; resume it at stage "
+                        f"{'0' if saved_stage == 0 else '1 or 2'} (this config has {stage})")
+    if stage > 0 and meta.data_parallel_size != data_parallel_size:
+        raise UserError(f"checkpoint '{tag_dir}' holds ZeRO-{saved_stage} optimizer partitions for "
+                        f"{meta.data_parallel_size} data-parallel ranks; resume it on {meta.data_parallel_size}, "
+                        f"not {data_parallel_size}")
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    return {"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()}
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])

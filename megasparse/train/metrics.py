@@ -1,0 +1,75 @@
+"""Run metrics: JSON lines, TensorBoard scalars (when installed) and a progress bar, on rank 0 only.
+
+``<output_dir>/metrics.jsonl`` holds one object per line, ``{"event": "train" | "eval", "step": s, ...}``.
+On resume, lines past the resumed step (written by the interrupted run after its last
+checkpoint) are dropped first, so the file always reads as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(output_dir: Path, event: str = "train") -> list[dict[str, Any]]:
+    path = Path(output_dir) / METRICS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["event"] == event]
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, enabled: bool, start_step: int, total_steps: int,
+                 progress_bar: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = output_dir / METRICS_FILE
+        self._truncate_after(start_step)
+        self._file = self.path.open("a")
+        self._board = _summary_writer(output_dir / "tensorboard") if tensorboard else None
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                         disable=not progress_bar, dynamic_ncols=True)
+
+    def log(self, event: str, step: int, **values: float) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"event": event, "step": step, **values}) + "\n")
+        self._file.flush()
+        if self._board is not None:
+            for key, value in values.items():
+                self._board.add_scalar(f"{event}/{key}", value, step)
+        if event == "train":
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}",
+                                  mem_gb=f"{values['memory_gb']:.2f}", refresh=False)
+        else:
+            self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+    def advance(self) -> None:
+        if self.enabled:
+            self._bar.update()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._bar.close()
+            self._file.close()
+            if self._board is not None:
+                self._board.close()
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        self.path.write_text("".join(line for line in lines if line.strip() and json.loads(line)["step"] <= step))
+
+
+def _summary_writer(directory: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(directory))

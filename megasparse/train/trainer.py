@@ -1,0 +1,215 @@
+"""``megasparse train``: pretraining on ``deepspeed.initialize`` with a client optimizer.
+
+One optimizer step consumes one global batch: each data-parallel rank runs
+``gradient_accumulation_steps`` micro-batches through ``engine.forward/backward/step``
+(DeepSpeed reduces gradients and steps the optimizer and scheduler at the boundary). The
+logged loss is the mean over the whole global batch (all micro-batches, all ranks).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+import yaml
+from deepspeed.accelerator import get_accelerator
+from torch.optim.lr_scheduler import LambdaLR
+
+from megasparse.config import Config
+from megasparse.data.corpus import describe_sources
+from megasparse.data.loader import PretrainingBatches, evaluation_batches
+from megasparse.data.prepare import prepare_data
+from megasparse.data.shards import INDEX_FILE, PreparedData, open_prepared
+from megasparse.data.tokenizer import file_sha256
+from megasparse.errors import UserError
+from megasparse.model.layers import layer_factory
+from megasparse.model.llama import Llama, num_parameters
+from megasparse.parallel.distributed import init_distributed, is_main_process, rank0_runs
+from megasparse.parallel.launch_env import discover_launch_env
+from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, complete_checkpoints, load_checkpoint,
+                                         resolve_resume, rng_state, save_checkpoint, set_rng_state)
+from megasparse.train.deepspeed_config import deepspeed_config
+from megasparse.train.metrics import MetricsLogger
+from megasparse.train.optim import build_optimizer
+from megasparse.train.schedule import LearningRateSchedule
+
+
+def train(cfg: Config, resume: str | None = None) -> "Trainer":
+    """Run (or continue, with ``resume``) the training described by ``cfg``; returns the finished trainer."""
+    launch = discover_launch_env()
+    cfg.validate(launch.world_size)
+    init_distributed(launch, cfg.parallel.timeout_minutes)
+    trainer = Trainer(cfg, launch.world_size, resume)
+    trainer.run()
+    return trainer
+
+
+def load_or_prepare(cfg: Config) -> PreparedData:
+    """The dataset at ``data.path``, prepared first (on rank 0) if it does not exist yet."""
+    path = Path(cfg.data.path)
+    if not (path / INDEX_FILE).exists():
+        def prepare() -> None:
+            _log(f"no dataset at {path} yet: preparing it from {', '.join(describe_sources(cfg.data))}")
+            prepare_data(cfg.data)
+
+        rank0_runs(prepare, "data preparation")
+    data = open_prepared(path)
+    if cfg.data.tokenizer and file_sha256(Path(cfg.data.tokenizer)) != data.tokenizer_sha256:
+        raise UserError(f"data.tokenizer '{cfg.data.tokenizer}' is not the tokenizer the shards at {path} were made with")
+    return data
+
+
+class Trainer:
+    def __init__(self, cfg: Config, data_parallel_size: int, resume: str | None) -> None:
+        self.cfg, self.dp_size = cfg, data_parallel_size
+        self.dp_rank = dist.get_rank()
+        t = cfg.training
+        self.data = load_or_prepare(cfg)
+        train_windows = self.data.split("train", cfg.data.seq_len)
+        if len(train_windows) == 0:
+            raise UserError(f"dataset {cfg.data.path} has fewer than data.seq_len + 1 = {cfg.data.seq_len + 1} tokens")
+        self.eval_windows = None
+        if t.eval_samples:
+            if not self.data.has_split("val") or len(self.data.split("val", cfg.data.seq_len)) == 0:
+                raise UserError(f"dataset {cfg.data.path} has no validation windows of {cfg.data.seq_len + 1} tokens; "
+                                "prepare it with a larger data.val_fraction or set training.eval_samples=0")
+            self.eval_windows = self.data.split("val", cfg.data.seq_len)
+
+        self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
+
+        torch.manual_seed(t.seed)
+        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg.model))
+        self.num_parameters = num_parameters(model)
+        self.ds_config = deepspeed_config(cfg, data_parallel_size)
+        schedule = LearningRateSchedule(cfg.optimizer, t.steps)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=build_optimizer(cfg.optimizer, model),
+            lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule), config=self.ds_config,
+            dist_init_required=False,
+        )
+        self.device = self.engine.device
+        # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only.
+        self.measure_grad_norm = not hasattr(self.engine.optimizer, "_global_grad_norm")
+        self.loader = PretrainingBatches(train_windows, t.global_batch_size, t.micro_batch_size,
+                                         self.dp_rank, data_parallel_size, t.seed)
+        self.step = self._load(self.resume_from) if self.resume_from else 0
+        self.metrics = MetricsLogger(Path(t.output_dir), is_main_process(), self.step, t.steps,
+                                     cfg.logging.progress_bar, cfg.logging.tensorboard)
+
+    def _checked_resume(self, resume: str | None) -> Path | None:
+        """The checkpoint to resume from, checked against this run; None to start fresh."""
+        directory = self.cfg.checkpoint_dir
+        tag_dir = resolve_resume(resume, directory)
+        if tag_dir is None:
+            if complete_checkpoints(directory) and resume is None:
+                raise UserError(f"{directory} already holds checkpoints; pass --resume auto to continue, "
+                                "or choose another training.output_dir")
+            return None
+        meta = CheckpointMeta.read(tag_dir)
+        check_compatible(meta, self.cfg, self.data.vocab_size, self.data.tokenizer_sha256, self.dp_size, tag_dir)
+        return tag_dir
+
+    def _load(self, tag_dir: Path) -> int:
+        state = load_checkpoint(self.engine, tag_dir)
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        step = CheckpointMeta.read(tag_dir).step
+        _log(f"resumed from {tag_dir} at step {step}")
+        return step
+
+    def run(self) -> None:
+        t, cfg = self.cfg.training, self.cfg
+        if is_main_process():
+            out = Path(t.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            (out / "deepspeed.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
+            _log(f"model: {self.num_parameters:,} parameters, vocabulary {self.data.vocab_size}; "
+                 f"{self.dp_size} data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
+                 f"{self.loader.accumulation_steps} micro-batch(es) per step")
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
+        while self.step < t.steps:
+            log_now = (self.step + 1) % cfg.logging.log_interval == 0 or self.step + 1 == t.steps
+            lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves on at its end)
+            loss, grad_norm = self._train_step(measure_norm=log_now and self.measure_grad_norm)
+            self.step += 1
+            window_loss += loss
+            window_steps += 1
+            self.metrics.advance()
+            if log_now:
+                dist.all_reduce(window_loss)
+                elapsed = time.perf_counter() - window_start
+                grad_norm = grad_norm if grad_norm is not None else self.engine.get_global_grad_norm()
+                values = {
+                    "loss": window_loss.item() / (window_steps * self.dp_size),
+                    "lr": lr,
+                    **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                    "tokens": self.step * tokens_per_step,
+                    "tokens_per_s": window_steps * tokens_per_step / elapsed,
+                    "step_time_s": elapsed / window_steps,
+                    "memory_gb": get_accelerator().max_memory_allocated() / 2**30,
+                }
+                self.metrics.log("train", self.step, **values)
+                window_loss.zero_()
+                window_steps, window_start = 0, time.perf_counter()
+            if self._due(t.eval_interval, t.eval_samples > 0):
+                self._evaluate()
+                window_start = time.perf_counter()
+            if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final):
+                self._save()
+                window_start = time.perf_counter()
+        self.metrics.close()
+
+    def _due(self, interval: int, at_end: bool) -> bool:
+        return (interval > 0 and self.step % interval == 0) or (at_end and self.step == self.cfg.training.steps)
+
+    def _train_step(self, measure_norm: bool) -> tuple[torch.Tensor, float | None]:
+        """One optimizer step; returns this rank's mean micro-batch loss (and the gradient norm if
+        it had to be measured here)."""
+        micro_batches = self.loader.next_step()
+        total, grad_norm = torch.zeros((), device=self.device), None
+        for i, (inputs, targets) in enumerate(micro_batches):
+            loss = self.engine(inputs.to(self.device), targets.to(self.device))
+            self.engine.backward(loss)
+            if measure_norm and i == len(micro_batches) - 1:  # gradients are reduced at the boundary
+                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+                grad_norm = torch.nn.utils.get_total_norm(grads).item()
+            self.engine.step()
+            total += loss.detach().float()
+        return total / len(micro_batches), grad_norm
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        cfg = self.cfg
+        batches = evaluation_batches(self.eval_windows, cfg.training.eval_samples, cfg.training.micro_batch_size,
+                                     self.dp_rank, self.dp_size)
+        self.engine.eval()
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
+        for inputs, targets in batches:
+            loss = self.engine(inputs.to(self.device), targets.to(self.device))
+            totals += torch.stack([loss.double() * len(inputs), totals.new_tensor(len(inputs))])
+        self.engine.train()
+        dist.all_reduce(totals)
+        val_loss = (totals[0] / totals[1]).item()
+        self.metrics.log("eval", self.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+
+    def _save(self) -> None:
+        t = self.cfg.training
+        meta = CheckpointMeta(
+            step=self.step, consumed_samples=self.loader.consumed_samples,
+            tokens=self.step * t.global_batch_size * self.cfg.data.seq_len, config=self.cfg.to_dict(),
+            vocab_size=self.data.vocab_size, tokenizer_sha256=self.data.tokenizer_sha256,
+            world_size=dist.get_world_size(), data_parallel_size=self.dp_size,
+        )
+        save_checkpoint(self.engine, self.cfg.checkpoint_dir, meta,
+                        {"loader": self.loader.state_dict(), "rng": rng_state()})
+
+
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[megasparse] {message}", flush=True)

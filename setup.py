@@ -1,0 +1,33 @@
+"""megasparse: memory-efficient LLM pretraining on DeepSpeed (SMET sparse training, Spectron low-rank)."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megasparse",
+    version="0.1.0",
+    description="Memory-efficient LLaMA pretraining on DeepSpeed: dynamic sparse (SMET) and native low-rank (Spectron) training",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megasparse", "megasparse.*"]) + ["megasparse.configs"],
+    # The run configs live at the top level (configs/) and ship inside the package, so that
+    # `megasparse train NAME` finds them after a plain (non-editable) install too.
+    package_dir={"megasparse.configs": "configs"},
+    package_data={"megasparse.configs": ["*.yaml"]},
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "sentencepiece>=0.2",
+        "datasets>=2.19",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "mpi": ["mpi4py"],
+        "tensorboard": ["tensorboard"],
+        "test": ["pytest", "mpi4py", "mpich"],
+    },
+    entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
+)

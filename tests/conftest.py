@@ -1,0 +1,52 @@
+"""Test setup: CPU/gloo DeepSpeed, a cached JIT-op directory, and a small real dataset."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Before anything imports deepspeed: tests run on CPU ranks over gloo, and DeepSpeed's one
+# JIT-compiled op (~20 s) is built once into a cache that later runs reuse.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import make_corpus, megasparse, tiny_config, write_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A directory of .txt files: a few standard-library modules, real text."""
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory, corpus) -> Path:
+    """The corpus prepared with a 400-piece tokenizer and a 10% validation split."""
+    from megasparse.config import DataConfig
+    from megasparse.data.prepare import prepare_data
+
+    path = tmp_path_factory.mktemp("dataset") / "tokens"
+    prepare_data(DataConfig(path=str(path), files=[str(corpus / "*.txt")], vocab_size=400, val_fraction=0.1,
+                            workers=2), progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, dataset):
+    """Train once per layout (zero stage, processes, accumulation steps); cached for the session."""
+    cache: dict[tuple[int, int, int, str], Path] = {}
+
+    def run(zero: int, nproc: int, accumulation: int, precision: str = "fp32") -> Path:
+        key = (zero, nproc, accumulation, precision)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"run-z{zero}-p{nproc}-a{accumulation}-{precision}")
+            micro = 8 // (nproc * accumulation)  # tiny_config's global batch is 8
+            cfg = tiny_config(dataset, out, parallel={"zero_stage": zero},
+                              training={"micro_batch_size": micro, "precision": precision})
+            megasparse("train", str(write_config(out / "run.yaml", cfg)), nproc=nproc).check()
+            cache[key] = out
+        return cache[key]
+
+    return run

@@ -1,0 +1,102 @@
+"""Helpers for tests that run megasparse in real processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megasparse.parallel.launch_env import free_port
+
+CORPUS_MODULES = ["argparse.py", "textwrap.py", "json/decoder.py", "collections/__init__.py"]
+TIMEOUT_S = 600
+
+
+def make_corpus(directory: Path) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in CORPUS_MODULES:
+        (directory / (name.replace("/", "_") + ".txt")).write_text((stdlib / name).read_text())
+    return directory
+
+
+def tiny_config(dataset: Path, output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A llama-tiny run of 8 steps of 8 sequences of 32 tokens, fp32, logging every step."""
+    cfg: dict[str, Any] = {
+        "model": {"preset": "llama-tiny"},
+        "data": {"path": str(dataset), "seq_len": 32},
+        "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2},
+        "training": {"steps": 8, "micro_batch_size": 8, "global_batch_size": 8, "precision": "fp32",
+                     "eval_interval": 4, "eval_samples": 16, "output_dir": str(output_dir)},
+        "checkpoint": {"interval": 4},
+        "logging": {"log_interval": 1, "progress_bar": False, "tensorboard": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def check(self) -> "Result":
+        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout[-4000:]}\n{self.stderr[-8000:]}"
+        return self
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("megasparse: error:")]
+
+
+def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> Result:
+    """Run ``megasparse ARGS`` in ``nproc`` processes started by ``launcher``:
+    ``env`` (one process per rank with the torch.distributed variables, as torchrun does),
+    ``torchrun``, ``deepspeed`` or ``mpiexec``."""
+    base_env = {**os.environ, **(env or {})}
+    port = str(free_port())
+    module = [sys.executable, "-m", "megasparse", *args]
+    bindir = Path(sys.executable).parent
+    if launcher == "env":
+        procs = [
+            subprocess.Popen(module, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                             env={**base_env, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
+                                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            for r in range(nproc)
+        ]
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        return Result(max((p.returncode for p in procs), key=abs), "".join(o for o, _ in outputs),
+                      "".join(e for _, e in outputs))
+    commands = {
+        "torchrun": [str(bindir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port,
+                     "-m", "megasparse", *args],
+        "deepspeed": [str(bindir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
+                      "--module", "megasparse", *args],
+        "mpiexec": [str(bindir / "mpiexec"), "-n", str(nproc), *module],
+    }
+    proc = subprocess.run(commands[launcher], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
+                          env=base_env)
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    from megasparse.train.metrics import read_metrics
+
+    return [record["loss"] for record in read_metrics(output_dir)]
+
+
+def final_weights(checkpoint_tag: Path) -> dict:
+    import torch
+
+    return torch.load(checkpoint_tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]

@@ -1,0 +1,105 @@
+"""The command line: output of `config` and `prepare-data`, and one clear error line for bad input."""
+import json
+import shutil
+
+import yaml
+from helpers import megasparse, tiny_config, write_config
+
+
+def test_config_prints_the_resolved_config_and_the_deepspeed_json(tmp_path, dataset):
+    path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", parallel={"zero_stage": 2},
+                                                           training={"micro_batch_size": 2}))
+    result = megasparse("config", str(path), "--world-size", "2", "--set", "optimizer.lr=0.001").check()
+    resolved_text, _, ds_text = result.stdout.partition("# DeepSpeed config for 2 process(es)\n")
+    resolved = yaml.safe_load(resolved_text)
+    assert resolved["model"]["dim"] == 64 and resolved["optimizer"]["lr"] == 0.001
+    ds = json.loads(ds_text)
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"], ds["zero_optimization"]["stage"]) == (8, 2, 2)
+
+
+def test_prepare_data_command(tmp_path, corpus):
+    out = tmp_path / "tokens"
+    result = megasparse("prepare-data", "--files", str(corpus / "*.txt"), "--out", str(out), "--vocab-size", "360",
+                        "--set", "data.val_fraction=0.2").check()
+    assert f"prepared {out}: train" in result.stdout and "vocabulary 360" in result.stdout
+    assert json.loads((out / "index.json").read_text())["splits"]["val"]["documents"] > 0
+
+
+def one_error_line(result, expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.error_lines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_config_key(tmp_path, dataset):
+    path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", training={"stepz": 3}))
+    one_error_line(megasparse("train", str(path)), "training.stepz: unknown key")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_data_refuses_missing_files_and_writes_nothing(tmp_path):
+    result = megasparse("prepare-data", "--files", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "out"))
+    one_error_line(result, "nope.txt' does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_training_on_missing_data_files(tmp_path):
+    cfg = tiny_config(tmp_path / "tokens", tmp_path / "out", data={"files": [str(tmp_path / "gone.txt")]})
+    one_error_line(megasparse("train", str(write_config(tmp_path / "run.yaml", cfg))), "gone.txt' does not exist")
+    assert not (tmp_path / "tokens").exists() and not (tmp_path / "out").exists()
+
+
+def test_incomplete_launcher_environment(tmp_path, dataset):
+    path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out"))
+    result = megasparse("train", str(path), launcher="mpiexec", nproc=1, env={"RANK": "0"})
+    one_error_line(result, "incomplete launcher environment")
+
+
+def test_global_batch_not_divisible_by_the_processes(tmp_path, dataset):
+    path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", training={"micro_batch_size": 4}))
+    result = megasparse("train", str(path), env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                                 "MASTER_PORT": "1"}, launcher="mpiexec")
+    one_error_line(result, "training.global_batch_size: 8 is not divisible by micro_batch_size x data-parallel size = 4 x 3")
+
+
+def test_checkpoint_of_another_model_shape(tmp_path, dataset, runs):
+    cfg = tiny_config(dataset, tmp_path / "out", model={"n_layers": 3})
+    step4 = runs(0, 1, 1) / "checkpoints" / "step_00000004"
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
+    one_error_line(result, "is for another model: model.n_layers=2, this config has 3")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero_checkpoint_on_another_number_of_ranks(tmp_path, dataset, runs):
+    cfg = tiny_config(dataset, tmp_path / "out", parallel={"zero_stage": 2})
+    step4 = runs(2, 2, 1) / "checkpoints" / "step_00000004"
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
+    one_error_line(result, "holds ZeRO-2 optimizer partitions for 2 data-parallel ranks; resume it on 2, not 1")
+
+
+def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path, dataset, runs):
+    out = tmp_path / "out"
+    shutil.copytree(runs(0, 1, 1), out)
+    before = sorted(p.stat().st_mtime_ns for p in out.rglob("*"))
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", tiny_config(dataset, out))))
+    one_error_line(result, "already holds checkpoints; pass --resume auto")
+    assert sorted(p.stat().st_mtime_ns for p in out.rglob("*")) == before
+
+
+def test_resume_from_a_path_without_checkpoints(tmp_path, dataset):
+    path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out"))
+    one_error_line(megasparse("train", str(path), "--resume", str(tmp_path)), "no complete megasparse checkpoint")
+
+
+def test_tokenizer_that_does_not_match_the_shards(tmp_path, dataset, corpus):
+    from megasparse.config import DataConfig
+    from megasparse.data.prepare import prepare_data
+
+    other = tmp_path / "other"
+    prepare_data(DataConfig(path=str(other), files=[str(corpus / "*.txt")], vocab_size=380), progress=False)
+    cfg = tiny_config(dataset, tmp_path / "out", data={"tokenizer": str(other / "tokenizer.model")})
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)))
+    one_error_line(result, "is not the tokenizer the shards")
+
+

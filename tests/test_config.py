@@ -1,0 +1,127 @@
+"""Config reading, presets, overrides, validation messages, and the derived DeepSpeed config."""
+import pytest
+
+from megasparse.config import Config, config_from_dict, load_config, shipped_configs
+from megasparse.errors import ConfigError
+from megasparse.model.presets import MODEL_PRESETS
+from megasparse.train.deepspeed_config import deepspeed_config
+
+
+def test_defaults_are_valid_and_use_the_default_preset():
+    cfg = load_config()
+    assert (cfg.model.preset, cfg.model.dim, cfg.model.ffn_dim) == ("llama-9m", 128, 352)
+
+
+@pytest.mark.parametrize("name", ["llama-60m", "llama-130m", "llama-240m", "llama-350m", "llama-1b"])
+def test_presets_fill_the_shape(name):
+    cfg = config_from_dict({"model": {"preset": name}}).validate()
+    shape = MODEL_PRESETS[name]
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim) == (
+        shape["dim"], shape["n_layers"], shape["n_heads"], shape["ffn_dim"])
+
+
+def test_keys_next_to_a_preset_override_it():
+    cfg = config_from_dict({"model": {"preset": "llama-60m", "n_layers": 2}})
+    assert (cfg.model.dim, cfg.model.n_layers) == (512, 2)
+
+
+def test_yaml_file_and_set_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {preset: llama-tiny}\ntraining: {steps: 500, micro_batch_size: 4, global_batch_size: 16}\n")
+    cfg = load_config(str(path), ["training.steps=200", "optimizer.lr=1e-3", "optimizer.betas=[0.9, 0.99]",
+                                  "data.files=[a.txt, b.txt]", "deepspeed.zero_optimization.overlap_comm=true"])
+    assert cfg.training.steps == 200 and cfg.training.global_batch_size == 16
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.betas == (0.9, 0.99)
+    assert cfg.data.files == ["a.txt", "b.txt"]
+    assert cfg.deepspeed == {"zero_optimization": {"overlap_comm": True}}
+
+
+def test_shipped_configs_load_by_name():
+    assert "quickstart" in shipped_configs()
+    for name in shipped_configs():
+        assert isinstance(load_config(name), Config)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"trainig": {}}, "trainig: unknown key"),
+    ({"training": {"stepz": 3}}, "training.stepz: unknown key"),
+    ({"training": {"steps": "many"}}, "training.steps: expected int, got str 'many'"),
+    ({"training": {"steps": 2.5}}, "training.steps: expected int"),
+    ({"training": {"precision": "fp8"}}, "training.precision: 'fp8' is not one of 'fp32', 'bf16'"),
+    ({"training": {"progress": True}}, "training.progress: unknown key"),
+    ({"logging": {"progress_bar": "yes"}}, "logging.progress_bar: expected bool"),
+    ({"parallel": {"zero_stage": 3}}, "parallel.zero_stage: 3 is not one of 0, 1, 2"),
+    ({"parallel": {"zero_stage": True}}, "parallel.zero_stage: True is not one of"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected 2 values"),
+    ({"optimizer": {"lr": -1.0}}, "optimizer.lr: must be > 0"),
+    ({"optimizer": {"lr": 1e-3, "min_lr": 1e-2}}, "optimizer.min_lr: must be in [0, optimizer.lr=0.001]"),
+    ({"optimizer": {"warmup_steps": 5000}}, "optimizer.warmup_steps: must be in [0, training.steps=1000]"),
+    ({"training": {"micro_batch_size": 3, "global_batch_size": 64}}, "training.global_batch_size: 64 is not a multiple"),
+    ({"model": {"preset": "llama-7t"}}, "model.preset: unknown preset 'llama-7t'"),
+    ({"model": {"preset": "", "dim": 64}}, "model.n_layers: must be > 0"),
+    ({"model": {"dim": 130}}, "model.dim: 130 is not divisible by model.n_heads=4"),
+    ({"model": {"n_kv_heads": 3}}, "model.n_kv_heads: 3 must divide model.n_heads=4"),
+    ({"data": {"seq_len": 1}}, "data.seq_len: must be >= 2"),
+    ({"data": {"files": "a.txt"}}, "data.files: expected a list"),
+    ({"data": {"val_fraction": 1.0}}, "data.val_fraction: must be in [0, 1)"),
+    ({"model": [1, 2]}, "model: expected a mapping"),
+])
+def test_bad_values_name_the_key(raw, message):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(raw).validate()
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_batch_split_is_checked_against_the_process_count():
+    cfg = config_from_dict({"training": {"micro_batch_size": 4, "global_batch_size": 8}})
+    cfg.validate(data_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"training.global_batch_size: 8 is not divisible by micro_batch_size x "
+                                          r"data-parallel size = 4 x 3"):
+        cfg.validate(data_parallel_size=3)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("model: {preset: llama-tiny\n", "malformed YAML at line 2"),
+    ("- a\n- b\n", "a config must be a mapping of sections, got list"),
+])
+def test_unreadable_files(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+
+
+def test_missing_config_names_the_shipped_ones():
+    with pytest.raises(ConfigError, match="'nope.yaml' is neither a file nor a shipped config .*quickstart"):
+        load_config("nope.yaml")
+
+
+@pytest.mark.parametrize("item,message", [("training.steps", "expected section.key=value"),
+                                          ("training.steps.x=3", "'training.steps' is not a section")])
+def test_bad_overrides(item, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["training.steps=5", item])
+
+
+def test_deepspeed_config_is_derived_from_one_source():
+    cfg = config_from_dict({
+        "training": {"micro_batch_size": 2, "global_batch_size": 16, "precision": "bf16", "grad_clip": 0.5},
+        "parallel": {"zero_stage": 2},
+        "deepspeed": {"zero_optimization": {"reduce_bucket_size": 1000}, "communication_data_type": "fp32"},
+    })
+    ds = deepspeed_config(cfg, data_parallel_size=2)
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 2}
+    assert ds["communication_data_type"] == "fp32" and ds["zero_allow_untested_optimizer"] is True
+
+
+@pytest.mark.parametrize("block,key", [({"train_batch_size": 4}, "deepspeed.train_batch_size"),
+                                       ({"zero_optimization": {"stage": 3}}, "deepspeed.zero_optimization.stage"),
+                                       ({"gradient_clipping": 0.0}, "deepspeed.gradient_clipping"),
+                                       ({"optimizer": {"type": "Adam"}}, "deepspeed.optimizer")])
+def test_deepspeed_block_cannot_set_derived_keys(block, key):
+    with pytest.raises(ConfigError, match=f"{key}: derived by megasparse"):
+        deepspeed_config(config_from_dict({"deepspeed": block}), data_parallel_size=1)

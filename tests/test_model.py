@@ -1,0 +1,110 @@
+"""The LLaMA model: shapes, causality, RoPE, RMSNorm, attention variants, presets."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megasparse.config import config_from_dict
+from megasparse.model.llama import Llama, RMSNorm, apply_rope, num_parameters, rope_tables
+
+VOCAB = 97
+
+
+def tiny(**model) -> Llama:
+    torch.manual_seed(0)
+    return Llama(config_from_dict({"model": {"preset": "llama-tiny", **model}}).validate().model, VOCAB)
+
+
+def test_logits_shape_and_loss():
+    model = tiny()
+    tokens = torch.randint(0, VOCAB, (3, 11))
+    assert model(tokens).shape == (3, 11, VOCAB)
+    loss = model(tokens, tokens)
+    assert loss.ndim == 0 and loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(math.log(VOCAB), rel=0.05)  # small init: near-uniform prediction
+
+
+@pytest.mark.parametrize("model", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1}, {"tie_embeddings": True}])
+def test_causal_prefix_outputs_ignore_the_future(model):
+    net = tiny(**model)
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    changed = tokens.clone()
+    changed[:, 9:] = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        a, b = net(tokens), net(changed)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_rope_rotates_pairs_and_keeps_norms():
+    cos, sin = rope_tables(seq_len=8, head_dim=6, theta=10000.0, device=torch.device("cpu"))
+    x = torch.randn(2, 8, 3, 6)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0: angle 0
+    # feature i pairs with i + D/2 and turns by t * theta^(-2i/D)
+    angle = 5 * 10000.0 ** (-2 * 1 / 6)
+    x1, x2 = x[:, 5, :, 1], x[:, 5, :, 4]
+    torch.testing.assert_close(y[:, 5, :, 1], x1 * math.cos(angle) - x2 * math.sin(angle))
+    torch.testing.assert_close(y[:, 5, :, 4], x2 * math.cos(angle) + x1 * math.sin(angle))
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    cos, sin = rope_tables(seq_len=12, head_dim=8, theta=10000.0, device=torch.device("cpu"))
+    q, k = torch.randn(8), torch.randn(8)
+    at = lambda v, t: apply_rope(v.expand(1, 12, 1, 8), cos, sin)[0, t, 0]  # noqa: E731
+    assert torch.dot(at(q, 7), at(k, 4)).item() == pytest.approx(torch.dot(at(q, 5), at(k, 2)).item(), rel=1e-5)
+
+
+def test_rmsnorm_matches_its_formula():
+    norm = RMSNorm(5, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 6.0))
+    x = torch.randn(4, 5)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+    assert norm.bfloat16()(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_attention_equals_explicit_masked_softmax():
+    net = tiny()
+    attn, x = net.layers[0].self_attn, torch.randn(2, 6, 64)
+    cos, sin = rope_tables(6, 16, 10000.0, torch.device("cpu"))
+    q = apply_rope(attn.q_proj(x).view(2, 6, 4, 16), cos, sin).transpose(1, 2)
+    k = apply_rope(attn.k_proj(x).view(2, 6, 4, 16), cos, sin).transpose(1, 2)
+    v = attn.v_proj(x).view(2, 6, 4, 16).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) / 4.0
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attn.o_proj((F.softmax(scores, -1) @ v).transpose(1, 2).reshape(2, 6, 64))
+    torch.testing.assert_close(attn(x, cos, sin), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings_share_one_tensor():
+    net = tiny(tie_embeddings=True)
+    assert net.lm_head.weight is net.embed_tokens.weight
+    assert num_parameters(net) == num_parameters(tiny()) - VOCAB * 64
+
+
+@pytest.mark.parametrize("preset,millions", [("llama-9m", 9.0), ("llama-60m", 58.1), ("llama-130m", 134.1),
+                                             ("llama-240m", 239.4), ("llama-350m", 368.0),
+                                             ("llama-1b", 1339.1)])
+def test_preset_sizes_with_a_32k_vocabulary(preset, millions):
+    cfg = config_from_dict({"model": {"preset": preset}}).validate().model
+    with torch.device("meta"):
+        net = Llama(cfg, 32000)
+    d, f, layers = cfg.dim, cfg.ffn_dim, cfg.n_layers
+    assert num_parameters(net) == 2 * 32000 * d + layers * (4 * d * d + 3 * d * f + 2 * d) + d
+    assert num_parameters(net) / 1e6 == pytest.approx(millions, rel=1e-3)
+
+
+def test_tiny_preset_is_under_two_million_parameters_with_an_8k_vocabulary():
+    cfg = config_from_dict({"model": {"preset": "llama-tiny"}}).model
+    with torch.device("meta"):
+        assert num_parameters(Llama(cfg, 8000)) < 2_000_000
+
+
+def test_output_projections_start_smaller():
+    net = tiny()
+    block = net.layers[0]
+    assert block.mlp.down_proj.weight.std() < 0.6 * block.mlp.up_proj.weight.std()
