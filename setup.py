@@ -27,6 +27,7 @@ setup(
     extras_require={
         "mpi": ["mpi4py"],
         "tensorboard": ["tensorboard"],
+        "bench": ["matplotlib"],
         "test": ["pytest", "mpi4py", "mpich"],
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},

@@ -40,7 +40,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    layer: Literal["dense"] = "dense"  # kind of every attention/MLP projection
+    layer: Literal["dense", "sparse"] = "dense"  # kind of the attention/MLP projections (sparse: see `sparse`)
 
     @property
     def kv_heads(self) -> int:
@@ -60,7 +60,8 @@ class DataConfig:
     text_field: str = "text"
     tokenizer: str = ""  # an existing sentencepiece model; empty: train one on the data
     vocab_size: int = 8000  # size of the tokenizer that prepare-data trains
-    val_fraction: float = 0.01  # fraction of documents held out for validation
+    val_files: list[str] = field(default_factory=list)  # validation text; empty: hold out val_fraction
+    val_fraction: float = 0.01  # fraction of documents held out for validation (without val_files)
     max_documents: int = 0  # 0: all documents
     shard_tokens: int = 100_000_000
     workers: int = 0  # tokenizer processes; 0: one per CPU core (at most 8)
@@ -70,7 +71,7 @@ class DataConfig:
 class OptimizerConfig:
     """Client optimizer and its learning-rate schedule."""
 
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "smet"] = "adamw"  # smet: for sparse models, see the `smet` section
     lr: float = 3e-4
     min_lr: float = 3e-5
     betas: tuple[float, float] = (0.9, 0.95)
@@ -79,6 +80,32 @@ class OptimizerConfig:
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = 100
     decay_fraction: float = 0.2  # wsd: the last fraction of the steps that decays to min_lr
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class SparseConfig:
+    """Sparse projections and their topology updates (``model.layer: sparse``; SMET, Xiao et al. 2026)."""
+
+    density: float = 0.25  # fraction d of each sparse matrix's weights that is active
+    init: Literal["uniform", "erk"] = "uniform"  # one density for every layer, or Erdos-Renyi-Kernel
+    targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))  # projections made sparse
+    update_interval: int = 100  # Delta T: steps between topology updates
+    prune_fraction: float = 0.2  # zeta_0: share of active weights pruned (and regrown) at the first update
+    prune_fraction_min: float = 0.005  # zeta_min: the share at the end of the cosine decay
+    stop_step: int = 0  # last step with topology updates (the decay ends there); 0: training.steps
+    regrow: Literal["random", "gradient"] = "random"  # SET (random) or RigL (largest gradient magnitude)
+
+
+@dataclass
+class SMETConfig:
+    """The SMET optimizer: Adam on the active weights only (``optimizer.name: smet``)."""
+
+    mode: Literal["smet", "naive"] = "smet"  # naive: one global step, no warm-up, no density scaling
+    slot_warmup_steps: int = 100  # W: a regrown weight's learning rate rises linearly over W steps
+    density_lr_power: float = 0.5  # p: the sparse weights' learning rate is lr * d^(-p); 0 turns it off
 
 
 @dataclass
@@ -121,6 +148,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    smet: SMETConfig = field(default_factory=SMETConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -171,6 +200,7 @@ class Config:
         _require(t.grad_clip >= 0, "training.grad_clip", "must be >= 0")
         _require(t.eval_interval >= 0, "training.eval_interval", "must be >= 0")
         _require(t.eval_samples >= 0, "training.eval_samples", "must be >= 0")
+        self._validate_sparse()
         _require(self.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
         _require(self.logging.log_interval > 0, "logging.log_interval", "must be > 0")
         _require(self.parallel.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
@@ -180,6 +210,26 @@ class Config:
                      f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size = "
                      f"{t.micro_batch_size} x {data_parallel_size}")
         return self
+
+
+    def _validate_sparse(self) -> None:
+        sp, sm = self.sparse, self.smet
+        _require(0 < sp.density <= 1, "sparse.density", f"{sp.density} is outside (0, 1]")
+        _require(0 <= sp.prune_fraction < 1, "sparse.prune_fraction", f"{sp.prune_fraction} is outside [0, 1)")
+        _require(0 <= sp.prune_fraction_min <= sp.prune_fraction, "sparse.prune_fraction_min",
+                 f"{sp.prune_fraction_min} is outside [0, sparse.prune_fraction={sp.prune_fraction}]")
+        _require(sp.update_interval > 0, "sparse.update_interval", "must be > 0")
+        _require(sp.stop_step >= 0, "sparse.stop_step", "must be >= 0")
+        unknown = [t for t in sp.targets if t not in PROJECTIONS]
+        _require(not unknown, "sparse.targets", f"unknown projection {unknown} (choose from {', '.join(PROJECTIONS)})")
+        _require(sm.slot_warmup_steps >= 0, "smet.slot_warmup_steps", f"{sm.slot_warmup_steps} must be >= 0")
+        _require(sm.density_lr_power >= 0, "smet.density_lr_power", "must be >= 0")
+        sparse_model, smet = self.model.layer == "sparse", self.optimizer.name == "smet"
+        _require(not smet or sparse_model, "optimizer.name",
+                 "smet trains sparse projections: set model.layer=sparse (or use adamw)")
+        _require(not sparse_model or smet, "model.layer",
+                 "sparse projections need optimizer.name=smet (smet.mode=naive for plain Adam on active weights)")
+        _require(not sparse_model or bool(sp.targets), "sparse.targets", "is empty: no projection would be sparse")
 
 
 def _require(ok: bool, key: str, why: str) -> None:

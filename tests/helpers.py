@@ -24,7 +24,18 @@ def make_corpus(directory: Path) -> Path:
     return directory
 
 
-def tiny_config(dataset: Path, output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+# Method variants of the tiny run: extra config sections. SMET: density 0.3, a topology update
+# every 2 steps (3 updates in 8 steps), a 3-step slot warm-up, a gentler learning rate.
+METHODS: dict[str, dict[str, dict[str, Any]]] = {
+    "dense": {},
+    "smet": {"model": {"layer": "sparse"}, "optimizer": {"name": "smet", "lr": 3e-3, "min_lr": 1e-4},
+             "sparse": {"density": 0.3, "update_interval": 2}, "smet": {"slot_warmup_steps": 3}},
+}
+METHODS["smet-rigl"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "regrow": "gradient", "init": "erk"}}
+METHODS["naive"] = {**METHODS["smet"], "smet": {"mode": "naive"}}
+
+
+def tiny_config(dataset: Path, output_dir: Path, method: str = "dense", **sections: dict[str, Any]) -> dict[str, Any]:
     """A llama-tiny run of 8 steps of 8 sequences of 32 tokens, fp32, logging every step."""
     cfg: dict[str, Any] = {
         "model": {"preset": "llama-tiny"},
@@ -35,8 +46,9 @@ def tiny_config(dataset: Path, output_dir: Path, **sections: dict[str, Any]) -> 
         "checkpoint": {"interval": 4},
         "logging": {"log_interval": 1, "progress_bar": False, "tensorboard": False},
     }
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
+    for overrides in (METHODS[method], sections):
+        for section, values in overrides.items():
+            cfg.setdefault(section, {}).update(values)
     return cfg
 
 
@@ -97,6 +109,7 @@ def train_losses(output_dir: Path) -> list[float]:
 
 
 def final_weights(checkpoint_tag: Path) -> dict:
+    """The module state (weights and, for sparse models, index buffers) of a checkpoint."""
     import torch
 
     return torch.load(checkpoint_tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]

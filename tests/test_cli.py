@@ -71,11 +71,25 @@ def test_checkpoint_of_another_model_shape(tmp_path, dataset, runs):
     assert not (tmp_path / "out").exists()
 
 
-def test_zero_checkpoint_on_another_number_of_ranks(tmp_path, dataset, runs):
-    cfg = tiny_config(dataset, tmp_path / "out", parallel={"zero_stage": 2})
+def test_zero_checkpoint_at_stage_zero(tmp_path, dataset, runs):
+    cfg = tiny_config(dataset, tmp_path / "out", parallel={"zero_stage": 0})
     step4 = runs(2, 2, 1) / "checkpoints" / "step_00000004"
     result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
-    one_error_line(result, "holds ZeRO-2 optimizer partitions for 2 data-parallel ranks; resume it on 2, not 1")
+    one_error_line(result, "was written at ZeRO stage 2; resume it at stage 1 or 2 (this config has 0)")
+
+
+def test_dense_checkpoint_in_a_sparse_run(tmp_path, dataset, runs):
+    cfg = tiny_config(dataset, tmp_path / "out", "smet")
+    step4 = runs(0, 1, 1) / "checkpoints" / "step_00000004"
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
+    one_error_line(result, "is for another model: model.layer=dense, this config has sparse")
+
+
+def test_sparse_checkpoint_of_another_density(tmp_path, dataset, runs):
+    cfg = tiny_config(dataset, tmp_path / "out", "smet", sparse={"density": 0.5})
+    step4 = runs(0, 1, 1, method="smet") / "checkpoints" / "step_00000004"
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
+    one_error_line(result, "was trained with sparse.density=0.3; this config has 0.5")
 
 
 def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path, dataset, runs):

@@ -8,7 +8,7 @@ from megasparse.config import DataConfig
 from megasparse.data.corpus import iter_documents, stdlib_dir, stdlib_files
 from megasparse.data.loader import PretrainingBatches, evaluation_batches
 from megasparse.data.prepare import prepare_data
-from megasparse.data.shards import ShardWriter, TokenWindows, open_prepared, write_index
+from megasparse.data.shards import ShardWriter, TokenWindows, open_prepared
 from megasparse.data.tokenizer import file_sha256, load_tokenizer
 from megasparse.errors import UserError
 
@@ -231,3 +231,21 @@ def test_hub_dataset_path_streams(tmp_path):
     assert list(iter_documents(cfg)) == [f"row {i}" for i in range(5)]
     with pytest.raises(UserError, match="cannot read data"):
         list(iter_documents(DataConfig(hf_dataset=str(tmp_path / "no-such-dataset"))))
+
+
+def test_separate_validation_files(tmp_path, corpus):
+    train = sorted(corpus.glob("*.txt"))
+    out = tmp_path / "out"
+    data = prepare_data(DataConfig(path=str(out), files=[str(p) for p in train[:3]], val_files=[str(train[3])],
+                                   vocab_size=400), progress=False)
+    val_docs = list(iter_documents(DataConfig(files=[str(train[3])])))
+    train_docs = list(iter_documents(DataConfig(files=[str(p) for p in train[:3]])))
+    assert data.index["splits"]["val"]["documents"] == len(val_docs)
+    assert data.index["splits"]["train"]["documents"] == len(train_docs)
+    assert data.index["sources"][-1] == f"val:{train[3]}"
+    sp = load_tokenizer(out / "tokenizer.model")
+    stored = np.fromfile(out / "val-00000.bin", dtype=np.uint16)
+    np.testing.assert_array_equal(stored, [t for d in val_docs for t in sp.encode(d) + [sp.eos_id()]])
+    with pytest.raises(UserError, match="missing.txt' does not exist"):
+        prepare_data(DataConfig(path=str(tmp_path / "x"), files=[str(train[0])], val_files=[str(tmp_path / "missing.txt")]),
+                     progress=False)

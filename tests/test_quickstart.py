@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from helpers import megasparse, train_losses
 
+from megasparse.train.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ["--set", "training.steps=4", "--set", "optimizer.warmup_steps=1", "--set", "training.eval_samples=16",
          "--set", "training.micro_batch_size=4", "--set", "training.global_batch_size=8",
@@ -27,6 +29,13 @@ def test_quickstart_prepares_the_embedded_corpus_and_trains(workdir):
     out = workdir / "runs" / "quickstart"
     assert len(train_losses(out)) == 4
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
+
+
+def test_smet_quickstart(workdir):
+    megasparse("train", "smet-quickstart", *SHORT, "--set", "sparse.update_interval=2", cwd=workdir).check()
+    out = workdir / "runs" / "smet-quickstart"
+    assert len(train_losses(out)) == 4
+    assert [r["step"] for r in read_metrics(out, "topology")] == [2]
 
 
 def test_local_launcher_script(workdir):

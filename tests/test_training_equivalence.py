@@ -24,7 +24,7 @@ REFERENCE_LOSSES = [6.0346479, 5.8923149, 5.4368258, 5.1320271, 4.7775626, 4.607
 LAYOUTS = [(zero, nproc, acc) for zero in (0, 1, 2) for nproc in (1, 2) for acc in (1, 4)]
 
 
-@pytest.mark.parametrize("zero,nproc,accumulation", [l for l in LAYOUTS if l != (0, 1, 1)])
+@pytest.mark.parametrize("zero,nproc,accumulation", [layout for layout in LAYOUTS if layout != (0, 1, 1)])
 def test_same_loss_curve_in_every_layout(runs, zero, nproc, accumulation):
     reference, run = runs(0, 1, 1), runs(zero, nproc, accumulation)
     losses = train_losses(run)

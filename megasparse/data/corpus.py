@@ -8,6 +8,7 @@ That corpus is real text, about 11 MB of it, and present on every machine withou
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import sysconfig
 from collections.abc import Iterator
@@ -21,7 +22,17 @@ _SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packa
 
 
 def describe_sources(cfg: DataConfig) -> list[str]:
-    """What the documents come from, as recorded in the dataset index."""
+    """What the documents come from, as recorded in the dataset index (checks local files exist)."""
+    validation = [f"val:{p}" for p in expand_files(cfg.val_files)]
+    return _describe_training(cfg) + validation
+
+
+def validation_source(cfg: DataConfig) -> DataConfig:
+    """The data config that reads ``data.val_files``."""
+    return dataclasses.replace(cfg, files=cfg.val_files, val_files=[], hf_dataset="", max_documents=0)
+
+
+def _describe_training(cfg: DataConfig) -> list[str]:
     if cfg.hf_dataset:
         return [f"hf:{cfg.hf_dataset}" + (f"/{cfg.hf_subset}" if cfg.hf_subset else "") + f":{cfg.hf_split}"]
     if cfg.files:

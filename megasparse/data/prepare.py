@@ -7,6 +7,7 @@ and every k-th document (k = 1 / data.val_fraction) goes to the validation split
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megasparse.config import DataConfig
-from megasparse.data.corpus import describe_sources, iter_documents
+from megasparse.data.corpus import describe_sources, iter_documents, validation_source
 from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, ShardWriter, open_prepared, write_index
 from megasparse.data.tokenizer import (encode_documents, file_sha256, init_worker, load_tokenizer, token_dtype,
                                        train_tokenizer)
@@ -64,19 +65,22 @@ def _build(cfg: DataConfig, staging: Path, sources: list[str], progress: bool) -
     vocab_size = processor.vocab_size()
     dtype = token_dtype(vocab_size)
     writers = {split: ShardWriter(staging, split, dtype, cfg.shard_tokens) for split in ("train", "val")}
-    period = round(1 / cfg.val_fraction) if cfg.val_fraction > 0 else 0
 
     bar = tqdm(desc="tokenizing", unit="doc", disable=not progress, dynamic_ncols=True)
-    tokens = 0
+    tokens, labels = 0, collections.deque()
+
+    def texts() -> Iterator[list[str]]:  # the encoder's input; the split of each document waits in labels
+        for batch in _batched(split_documents(cfg), DOCUMENTS_PER_TASK):
+            labels.append([split for split, _ in batch])
+            yield [text for _, text in batch]
+
     with _parallel_encoder(tokenizer_path, cfg.workers) as encode:
-        batches = _batched(iter_documents(cfg), DOCUMENTS_PER_TASK)
-        for doc_index, ids in enumerate(itertools.chain.from_iterable(encode(batches))):
-            held_out = period and doc_index % period == period - 1
-            writers["val" if held_out else "train"].write(ids)
-            tokens += ids.size
-            bar.update()
-            if doc_index % DOCUMENTS_PER_TASK == 0:
-                bar.set_postfix(tokens=f"{tokens:,}")
+        for encoded in encode(texts()):
+            for split, ids in zip(labels.popleft(), encoded):
+                writers[split].write(ids)
+                tokens += ids.size
+            bar.update(len(encoded))
+            bar.set_postfix(tokens=f"{tokens:,}")
     bar.close()
 
     splits = {split: writer.close() for split, writer in writers.items()}
@@ -104,7 +108,19 @@ def _parallel_encoder(tokenizer_path: Path, workers: int) -> Iterator[Callable[[
         yield lambda batches: pool.imap(encode_documents, batches)
 
 
-def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+def split_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
+    """(split, document) in order: ``data.val_files`` for validation if given, otherwise every
+    k-th document (k = 1 / data.val_fraction) held out."""
+    if cfg.val_files:
+        yield from (("train", doc) for doc in iter_documents(cfg))
+        yield from (("val", doc) for doc in iter_documents(validation_source(cfg)))
+        return
+    period = round(1 / cfg.val_fraction) if cfg.val_fraction > 0 else 0
+    for index, doc in enumerate(iter_documents(cfg)):
+        yield ("val" if period and index % period == period - 1 else "train"), doc
+
+
+def _batched(items: Iterable, size: int) -> Iterator[list]:
     iterator = iter(items)
     while batch := list(itertools.islice(iterator, size)):
         yield batch

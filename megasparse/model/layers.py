@@ -10,7 +10,10 @@ from typing import Literal, Protocol
 
 from torch import nn
 
-from megasparse.config import ModelConfig
+from megasparse.sparse.density import layer_densities, projection_shapes
+from megasparse.sparse.layer import SparseLinear
+
+from megasparse.config import Config
 
 # Column roles split their output features under tensor parallelism, row roles their inputs.
 Role = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,7 +34,22 @@ class DenseLayers:
         return layer
 
 
-def layer_factory(cfg: ModelConfig) -> LayerFactory:
+class SparseLayers(DenseLayers):
+    """``SparseLinear`` for the roles in ``densities``, dense projections for the others."""
+
+    def __init__(self, densities: dict[str, float]) -> None:
+        self.densities = densities
+
+    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
+        if role not in self.densities:
+            return super().projection(in_features, out_features, role, init_std)
+        return SparseLinear(in_features, out_features, self.densities[role], init_std)
+
+
+def layer_factory(cfg: Config) -> LayerFactory:
     """The factory for ``model.layer``."""
-    factories = {"dense": DenseLayers}
-    return factories[cfg.layer]()
+    if cfg.model.layer == "sparse":
+        shapes, counts = projection_shapes(cfg.model)
+        targets = {role: shapes[role] for role in cfg.sparse.targets}
+        return SparseLayers(layer_densities(targets, counts, cfg.sparse))
+    return DenseLayers()

@@ -22,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
+from megasparse.train.reshard import consolidate_zero_checkpoint, load_consolidated
 
 META_FILE = "megasparse.json"
 _TAG = re.compile(r"^step_(\d{8})$")
@@ -88,16 +89,27 @@ def save_checkpoint(engine, directory: Path, meta: CheckpointMeta, client_state:
     return tag_dir
 
 
-def load_checkpoint(engine, tag_dir: Path) -> dict[str, Any]:
-    """Load module, optimizer and scheduler state into ``engine``; return the client state."""
-    path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+def load_checkpoint(engine, client_optimizer, tag_dir: Path, meta: CheckpointMeta, data_parallel_size: int) -> dict[str, Any]:
+    """Load module, optimizer and scheduler state into ``engine``; return the client state.
+
+    A ZeRO-1/2 checkpoint from another number of data-parallel ranks is resharded: DeepSpeed
+    loads the module and scheduler, :mod:`megasparse.train.reshard` the optimizer partitions.
+    """
+    reshard = engine.zero_optimization_stage() > 0 and meta.data_parallel_size != data_parallel_size
+    path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                                load_optimizer_states=not reshard)
     if path is None or not client_state or "megasparse" not in client_state:
         raise UserError(f"checkpoint '{tag_dir}' could not be loaded by DeepSpeed")
+    if reshard:
+        load_consolidated(engine, client_optimizer, consolidate_zero_checkpoint(tag_dir))
+        # the optimizer's param groups (and with them the current rates) were not loaded
+        for group, lr in zip(client_optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
     return client_state["megasparse"]
 
 
 def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokenizer_sha256: str,
-                     data_parallel_size: int, tag_dir: Path) -> None:
+                     tag_dir: Path) -> None:
     """Fail with one line if the checkpoint cannot continue this run."""
     saved = config_from_dict(meta.config)
     for key, ours in cfg.model.__dict__.items():
@@ -115,10 +127,13 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
     if (saved_stage == 0) != (stage == 0):
         raise UserError(f"checkpoint '{tag_dir}' was written at ZeRO stage {saved_stage}; resume it at stage "
                         f"{'0' if saved_stage == 0 else '1 or 2'} (this config has {stage})")
-    if stage > 0 and meta.data_parallel_size != data_parallel_size:
-        raise UserError(f"checkpoint '{tag_dir}' holds ZeRO-{saved_stage} optimizer partitions for "
-                        f"{meta.data_parallel_size} data-parallel ranks; resume it on {meta.data_parallel_size}, "
-                        f"not {data_parallel_size}")
+    keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
+                                              if cfg.model.layer == "sparse" else [])
+    for key in keys:
+        section, name = key.split(".")
+        theirs, ours = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        if theirs != ours:
+            raise UserError(f"checkpoint '{tag_dir}' was trained with {key}={theirs}; this config has {ours}")
 
 
 def rng_state() -> dict[str, torch.Tensor]:

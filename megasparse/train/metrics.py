@@ -1,6 +1,6 @@
 """Run metrics: JSON lines, TensorBoard scalars (when installed) and a progress bar, on rank 0 only.
 
-``<output_dir>/metrics.jsonl`` holds one object per line, ``{"event": "train" | "eval", "step": s, ...}``.
+``<output_dir>/metrics.jsonl`` holds one object per line, ``{"event": "train" | "eval" | "topology", "step": s, ...}``.
 On resume, lines past the resumed step (written by the interrupted run after its last
 checkpoint) are dropped first, so the file always reads as one uninterrupted run.
 """
@@ -46,7 +46,7 @@ class MetricsLogger:
         if event == "train":
             self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}",
                                   mem_gb=f"{values['memory_gb']:.2f}", refresh=False)
-        else:
+        elif event == "eval":
             self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     def advance(self) -> None:

@@ -1,19 +1,41 @@
-"""The client optimizer handed to ``deepspeed.initialize``."""
+"""The client optimizer handed to ``deepspeed.initialize``: AdamW, or SMET for sparse models."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megasparse.config import OptimizerConfig
+from megasparse.config import Config
+from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.optimizer import SMETAdam
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices (projections, embeddings, head), not vectors (norm gains)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def parameter_groups(model: nn.Module, cfg: Config) -> list[dict]:
+    """Weight decay on matrices (projections, embeddings, head), none on vectors (norm gains).
+
+    The active weights of each sparse projection form groups by density d, flagged ``sparse``;
+    with SMET their learning rate is lr * d^(-p) (p = ``smet.density_lr_power``, 0 in naive mode).
+    """
+    wd, lr = cfg.optimizer.weight_decay, cfg.optimizer.lr
+    power = cfg.smet.density_lr_power if cfg.smet.mode == "smet" else 0.0
+    sparse: dict[float, list[nn.Parameter]] = {}
+    for module in model.modules():
+        if isinstance(module, SparseLinear):
+            sparse.setdefault(module.density, []).append(module.values)
+    compact = {id(p) for params in sparse.values() for p in params}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in compact]
+    groups = [{"params": params, "sparse": True, "density": d, "lr": lr * d**-power, "weight_decay": wd}
+              for d, params in sorted(sparse.items())]
+    groups += [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": wd},
+               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
-def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019, Algorithm 2) with decoupled weight decay."""
-    return torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019, Algorithm 2), or :class:`SMETAdam` when ``optimizer.name`` is smet."""
+    o = cfg.optimizer
+    groups = parameter_groups(model, cfg)
+    if o.name == "smet":
+        return SMETAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                        slot_warmup_steps=cfg.smet.slot_warmup_steps, per_slot_steps=cfg.smet.mode == "smet")
+    return torch.optim.AdamW([{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in groups],
+                             lr=o.lr, betas=o.betas, eps=o.eps)

@@ -30,11 +30,13 @@ from megasparse.model.layers import layer_factory
 from megasparse.model.llama import Llama, num_parameters
 from megasparse.parallel.distributed import init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.launch_env import discover_launch_env
+from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, complete_checkpoints, load_checkpoint,
                                          resolve_resume, rng_state, save_checkpoint, set_rng_state)
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.metrics import MetricsLogger
 from megasparse.train.optim import build_optimizer
+from megasparse.train.partitions import optimizer_fragments
 from megasparse.train.schedule import LearningRateSchedule
 
 
@@ -82,16 +84,21 @@ class Trainer:
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
 
         torch.manual_seed(t.seed)
-        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg.model))
+        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg))
         self.num_parameters = num_parameters(model)
         self.ds_config = deepspeed_config(cfg, data_parallel_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
+        self.optimizer = build_optimizer(cfg, model)
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=build_optimizer(cfg.optimizer, model),
+            model=model, optimizer=self.optimizer,
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule), config=self.ds_config,
             dist_init_required=False,
         )
         self.device = self.engine.device
+        self.topology = TopologyUpdater(
+            self.engine.module, cfg.sparse, t.steps, t.seed, self.optimizer,
+            fragments=lambda param: optimizer_fragments(self.engine, self.optimizer, param),
+        ) if cfg.model.layer == "sparse" else None
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only.
         self.measure_grad_norm = not hasattr(self.engine.optimizer, "_global_grad_norm")
         self.loader = PretrainingBatches(train_windows, t.global_batch_size, t.micro_batch_size,
@@ -110,16 +117,18 @@ class Trainer:
                                 "or choose another training.output_dir")
             return None
         meta = CheckpointMeta.read(tag_dir)
-        check_compatible(meta, self.cfg, self.data.vocab_size, self.data.tokenizer_sha256, self.dp_size, tag_dir)
+        check_compatible(meta, self.cfg, self.data.vocab_size, self.data.tokenizer_sha256, tag_dir)
         return tag_dir
 
     def _load(self, tag_dir: Path) -> int:
-        state = load_checkpoint(self.engine, tag_dir)
+        meta = CheckpointMeta.read(tag_dir)
+        state = load_checkpoint(self.engine, self.optimizer, tag_dir, meta, self.dp_size)
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
-        step = CheckpointMeta.read(tag_dir).step
-        _log(f"resumed from {tag_dir} at step {step}")
-        return step
+        resharded = f" (resharded from {meta.data_parallel_size} data-parallel ranks)" if (
+            meta.data_parallel_size != self.dp_size and self.cfg.parallel.zero_stage > 0) else ""
+        _log(f"resumed from {tag_dir} at step {meta.step}{resharded}")
+        return meta.step
 
     def run(self) -> None:
         t, cfg = self.cfg.training, self.cfg
@@ -136,8 +145,12 @@ class Trainer:
         while self.step < t.steps:
             log_now = (self.step + 1) % cfg.logging.log_interval == 0 or self.step + 1 == t.steps
             lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves on at its end)
+            if self.topology:
+                self.topology.before_step(self.step + 1)
             loss, grad_norm = self._train_step(measure_norm=log_now and self.measure_grad_norm)
             self.step += 1
+            if self.topology and self.topology.due(self.step):
+                self.metrics.log("topology", self.step, **self.topology.update(self.step))
             window_loss += loss
             window_steps += 1
             self.metrics.advance()

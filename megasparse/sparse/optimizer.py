@@ -1,0 +1,149 @@
+"""SMET's optimizer: AdamW over the compact active weights, with a step count per slot.
+
+For active slot i with gradient g_i (Kingma & Ba 2015, Algorithm 1; Loshchilov & Hutter
+2019, Algorithm 2, decoupled decay):
+
+    m_i <- b1 m_i + (1 - b1) g_i            v_i <- b2 v_i + (1 - b2) g_i^2
+    t_i  = steps since slot i was (re)grown  (the global step for slots active from the start)
+    lr_i = lr * min(1, t_i / W)              (regrown slots only; SMET's slot warm-up)
+    w_i <- w_i (1 - lr_i wd) - lr_i * [m_i / (1 - b1^t_i)] / (sqrt(v_i / (1 - b2^t_i)) + eps)
+
+and the sparse groups' ``lr`` is lr_0 * d^(-p) (set by :func:`smet_parameter_groups`). A
+regrown slot restarts with zero moments and t_i = 1, so its first step is lr_i * g/|g| =
+lr / W rather than the (1 - b1) / sqrt(1 - b2) ~ 3.16 lr (b2 = 0.999) that one shared step
+count gives it. ``per_slot_steps=False`` is the naive mode: one global step, no warm-up, no
+density scaling, moments still reset on regrowth.
+
+Per-slot steps cost one byte per slot: slots regrown at the same update form a cohort that
+shares a birth step, so each slot stores a uint8 cohort id and the optimizer a table of 256
+birth steps. Once a cohort is older than both W and the age at which b^t vanishes in fp32
+(b^t < 2^-24, so 1 - b^t == 1), its slots are relabelled ``MATURE`` and the id is reused.
+
+The parameters this optimizer sees are whatever DeepSpeed hands it: the module's compact
+vectors at ZeRO-0, or one flat fp32 partition per group and rank at ZeRO-1/2; the tensor
+state is elementwise, so it partitions with them. The step count and the birth table are
+plain Python values, and every parameter has the same state keys (``None`` where a key does
+not apply): DeepSpeed's ZeRO checkpointing treats every non-scalar state tensor as
+partition-shaped (it strips and re-adds padding, and restores it as fp32) and restores each
+group with the keys of the first group. For the same reason the cohort ids are cast back to
+uint8 after a checkpoint is loaded.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+
+import torch
+
+MATURE = 255
+_COHORTS = 256
+_FP32_VANISH = 2.0**-24
+
+
+class SMETAdam(torch.optim.Optimizer):
+    def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, slot_warmup_steps: int, per_slot_steps: bool = True) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, sparse=False)
+        super().__init__(params, defaults)
+        self.slot_warmup_steps = slot_warmup_steps
+        self.per_slot_steps = per_slot_steps
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "SMETAdam does not take a closure"
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p, group)
+                state["step"] += 1
+                self._update(p, p.grad, state, group)
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        (beta1, beta2), eps, lr, decay = group["betas"], group["eps"], group["lr"], group["weight_decay"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if state["cohort"] is None:  # dense parameters, or the naive mode: one step count
+            t = state["step"]
+            p.mul_(1 - lr * decay)
+            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+            return
+        lr_c, rate_c, inv_sqrt_bc2_c = self._cohort_tables(state, lr, beta1, beta2)
+        cohort = state["cohort"].long()
+        if decay:
+            p.mul_(1 - lr_c[cohort] * decay)
+        denom = (v.sqrt() * inv_sqrt_bc2_c[cohort]).add_(eps)
+        p.addcdiv_(m * rate_c[cohort], denom, value=-1.0)
+
+    def _cohort_tables(self, state: dict, lr: float, beta1: float,
+                       beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per cohort c of age t_c: lr_c = lr * min(1, t_c / W), lr_c / (1 - b1^t_c) and 1 / sqrt(1 - b2^t_c)."""
+        ages = (state["step"] - torch.tensor(state["birth"], dtype=torch.float64)).clamp(min=1)
+        warm = (ages / self.slot_warmup_steps).clamp(max=1) if self.slot_warmup_steps else torch.ones_like(ages)
+        warm[0] = 1.0  # cohort 0 holds the initial weights, which were never regrown: no slot warm-up
+        lr_c = lr * warm
+        rate_c = lr_c / (1 - beta1**ages)
+        inv_sqrt_bc2_c = (1 - beta2**ages).rsqrt()
+        lr_c[MATURE], rate_c[MATURE], inv_sqrt_bc2_c[MATURE] = lr, lr, 1.0
+        device = state["exp_avg"].device
+        return lr_c.float().to(device), rate_c.float().to(device), inv_sqrt_bc2_c.float().to(device)
+
+    def _state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            per_slot = group["sparse"] and self.per_slot_steps
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["cohort"] = torch.zeros_like(p, dtype=torch.uint8) if per_slot else None
+            # birth step of each cohort; -1: unused
+            state["birth"] = [0.0] + [-1.0] * (_COHORTS - 1) if per_slot else None
+        elif state["cohort"] is not None and state["cohort"].dtype != torch.uint8:  # loaded as fp32
+            state["cohort"] = state["cohort"].to(torch.uint8)
+        return state
+
+    # ------------------------------------------------------------------ regrowth
+
+    def open_cohort(self) -> int:
+        """Start the cohort of the slots regrown now (after this step); returns its id."""
+        sparse_states = [self._state(p, g) for g in self.param_groups if g["sparse"] for p in g["params"]]
+        if not sparse_states or sparse_states[0]["cohort"] is None:
+            return MATURE
+        birth, now = sparse_states[0]["birth"], float(sparse_states[0]["step"])
+        mature = [c for c in range(MATURE) if birth[c] >= 0 and now - birth[c] >= self._maturity_age()]
+        free = [c for c in range(1, MATURE) if birth[c] < 0 or c in mature]  # 0 is the initial cohort only
+        if not free:  # more live cohorts than ids: retire the oldest one early (approximate steps)
+            oldest = min(range(1, MATURE), key=lambda c: birth[c])
+            warnings.warn("SMET: more than 255 live cohorts; the oldest is treated as mature early. "
+                          "Raise sparse.update_interval or lower optimizer.betas[1].", stacklevel=2)
+            mature, free = [oldest], [oldest]
+        cohort = free[0]
+        for state in sparse_states:
+            for c in mature:
+                state["cohort"].masked_fill_(state["cohort"] == c, MATURE)
+                state["birth"][c] = -1.0
+            state["birth"][cohort] = now
+        return cohort
+
+    @torch.no_grad()
+    def regrow(self, owner: torch.Tensor, positions: torch.Tensor, cohort: int) -> None:
+        """Slots at ``positions`` of ``owner`` (one of this optimizer's tensors) restart: weight 0,
+        moments 0, step count 1 at the next step."""
+        group = next(g for g in self.param_groups if any(p is owner for p in g["params"]))
+        state = self._state(owner, group)
+        owner.view(-1)[positions] = 0
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].view(-1)[positions] = 0
+        if state["cohort"] is not None:
+            state["cohort"].view(-1)[positions] = cohort
+
+    def _maturity_age(self) -> float:
+        """The age after which a slot's step count no longer changes its update in fp32."""
+        betas = [b for g in self.param_groups if g["sparse"] for b in g["betas"] if 0 < b < 1]
+        vanish = max((math.log(_FP32_VANISH) / math.log(b) for b in betas), default=1.0)
+        return max(float(self.slot_warmup_steps), math.ceil(vanish))

@@ -1,0 +1,97 @@
+"""Topology updates: every Delta T steps each sparse layer prunes and regrows the same number of weights.
+
+At update step t (t = Delta T, 2 Delta T, ... before ``stop_step``) with prune fraction
+
+    zeta_t = zeta_min + (zeta_0 - zeta_min) * (1 + cos(pi * t / T)) / 2     (Evci et al. 2020, eq. 1)
+
+(T = ``sparse.stop_step`` or the run's steps), each layer with nnz active weights
+
+1. prunes the k = floor(zeta_t * nnz) slots of smallest |w| (ties: lower slot first);
+2. regrows k positions among those inactive before this update (so a position pruned now is
+   not regrown now): uniformly at random (SET, Mocanu et al. 2018) or of largest |dL/dW|
+   (RigL, Evci et al. 2020; ties: lower position first);
+3. points the pruned slots, in ascending order, at the regrown positions, in ascending order,
+   with weight 0, and tells the optimizer to restart their state.
+
+The decision is a function of the whole layer (its values, index and, for RigL, the dense
+gradient summed over data-parallel ranks) and of a generator seeded by (seed, t, layer),
+all identical on every rank, so it comes out the same whatever the number of processes,
+the ZeRO stage or the gradient accumulation.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import deepspeed.comm as dist
+import torch
+from torch import nn
+
+from megasparse.config import SparseConfig
+from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.optimizer import SMETAdam
+from megasparse.train.partitions import Fragment
+
+
+def prune_fraction(cfg: SparseConfig, step: int, total_steps: int) -> float:
+    end = cfg.stop_step or total_steps
+    return cfg.prune_fraction_min + (cfg.prune_fraction - cfg.prune_fraction_min) * 0.5 * (
+        1 + math.cos(math.pi * min(step, end) / end))
+
+
+def choose_regrowth(values: torch.Tensor, index: torch.Tensor, numel: int, count: int, generator: torch.Generator,
+                    dense_grad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` slots to prune and the flat positions they move to, both ascending (so the
+    pairing does not depend on the order in which nearly equal magnitudes sort)."""
+    slots = torch.argsort(values.detach().abs().float(), stable=True)[:count].sort().values
+    occupied = torch.zeros(numel, dtype=torch.bool, device=index.device)
+    occupied[index.long()] = True
+    free = (~occupied).nonzero().squeeze(1)
+    if dense_grad is None:
+        choice = torch.randperm(free.numel(), generator=generator, device=free.device)[:count]
+    else:
+        choice = torch.argsort(dense_grad.reshape(-1)[free].abs(), descending=True, stable=True)[:count]
+    return slots, free[choice].sort().values
+
+
+class TopologyUpdater:
+    def __init__(self, model: nn.Module, cfg: SparseConfig, total_steps: int, seed: int, optimizer: SMETAdam,
+                 fragments: Callable[[nn.Parameter], list[Fragment]], dp_group=None) -> None:
+        self.cfg, self.total_steps, self.seed = cfg, total_steps, seed
+        self.optimizer, self.fragments, self.dp_group = optimizer, fragments, dp_group
+        self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+
+    def due(self, step: int) -> bool:
+        """Whether a topology update follows optimizer step ``step`` (1-based)."""
+        end = self.cfg.stop_step or self.total_steps
+        return step % self.cfg.update_interval == 0 and step < end and any(
+            layer.nnz < layer.in_features * layer.out_features for layer in self.layers)
+
+    def before_step(self, step: int) -> None:
+        """Ahead of optimizer step ``step``: collect dense gradients if RigL updates after it."""
+        collect = self.cfg.regrow == "gradient" and self.due(step)
+        for layer in self.layers:
+            layer.dense_grad = layer.values.new_zeros(layer.out_features, layer.in_features,
+                                                      dtype=torch.float32) if collect else None
+
+    @torch.no_grad()
+    def update(self, step: int) -> dict[str, float]:
+        """Prune and regrow every sparse layer after optimizer step ``step``; returns a summary."""
+        zeta = prune_fraction(self.cfg, step, self.total_steps)
+        cohort = self.optimizer.open_cohort()
+        moved = 0
+        for number, layer in enumerate(self.layers):
+            numel = layer.in_features * layer.out_features
+            count = min(int(zeta * layer.nnz), numel - layer.nnz)
+            if layer.dense_grad is not None and dist.is_initialized():  # the sum over data-parallel ranks
+                dist.all_reduce(layer.dense_grad, group=self.dp_group)
+            generator = torch.Generator(device=layer.index.device)
+            generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
+            slots, positions = choose_regrowth(layer.values, layer.index, numel, count, generator, layer.dense_grad)
+            layer.index[slots] = positions.to(torch.int32)
+            layer.values[slots] = 0
+            for fragment in self.fragments(layer.values):
+                self.optimizer.regrow(fragment.owner, fragment.positions(slots), cohort)
+            layer.dense_grad = None
+            moved += count
+        return {"zeta": zeta, "regrown": moved}

@@ -1,0 +1,233 @@
+"""SMET in one process: the optimizer against a dense masked reference, slot warm-up, topology
+updates, initial densities and config checks."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from megasparse.config import config_from_dict
+from megasparse.errors import ConfigError
+from megasparse.sparse.density import layer_densities, projection_shapes
+from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.optimizer import MATURE
+from megasparse.sparse.topology import TopologyUpdater, choose_regrowth, prune_fraction
+from megasparse.train.optim import build_optimizer
+from megasparse.train.partitions import Fragment
+
+
+def sparse_config(**sections):
+    raw = {"model": {"preset": "llama-tiny", "layer": "sparse"}, "optimizer": {"name": "smet"}}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw).validate()
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, density: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = SparseLinear(12, 10, density, init_std=0.5)
+        self.b = SparseLinear(10, 8, density, init_std=0.5)
+        self.gain = nn.Parameter(torch.ones(10))
+
+
+class MaskedAdamReference:
+    """Dense AdamW on the masked matrix with one step count per entry, written out plainly."""
+
+    def __init__(self, layer: SparseLinear, lr: float, betas, eps, decay, warmup: int, per_entry: bool) -> None:
+        self.w = layer.dense_weight().detach().clone().double()
+        self.mask = torch.zeros_like(self.w, dtype=torch.bool)
+        self.mask.view(-1)[layer.index.long()] = True
+        self.m, self.v = torch.zeros_like(self.w), torch.zeros_like(self.w)
+        self.t = torch.zeros_like(self.w)
+        self.regrown = torch.zeros_like(self.mask)
+        self.lr, self.betas, self.eps, self.decay, self.warmup, self.per_entry = lr, betas, eps, decay, warmup, per_entry
+        self.global_t = 0
+
+    def step(self, grad: torch.Tensor) -> None:
+        b1, b2 = self.betas
+        self.global_t += 1
+        self.t[self.mask] += 1
+        t = self.t if self.per_entry else torch.full_like(self.t, self.global_t)
+        self.m = torch.where(self.mask, b1 * self.m + (1 - b1) * grad, self.m)
+        self.v = torch.where(self.mask, b2 * self.v + (1 - b2) * grad**2, self.v)
+        warm = (t / self.warmup).clamp(max=1) if self.warmup and self.per_entry else torch.ones_like(t)
+        lr = self.lr * torch.where(self.regrown, warm, torch.ones_like(warm))
+        update = lr * (self.m / (1 - b1**t)) / ((self.v / (1 - b2**t)).sqrt() + self.eps)
+        self.w = torch.where(self.mask, self.w * (1 - lr * self.decay) - update, self.w)
+
+    def move(self, old: set[int], new: set[int]) -> None:
+        for pos in old - new:
+            self.mask.view(-1)[pos] = False
+        for pos in (old - new) | (new - old):
+            for tensor in (self.w, self.m, self.v, self.t):
+                tensor.view(-1)[pos] = 0
+        for pos in new - old:
+            self.mask.view(-1)[pos] = True
+            self.regrown.view(-1)[pos] = True
+
+
+@pytest.mark.parametrize("mode", ["smet", "naive"])
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.5, 0.6)])  # (0.5, 0.6): cohorts mature and ids are reused
+def test_smet_step_equals_a_dense_masked_reference(mode, betas):
+    cfg = sparse_config(optimizer={"lr": 0.01, "betas": list(betas), "weight_decay": 0.1},
+                        sparse={"density": 0.3, "update_interval": 4, "prune_fraction": 0.3},
+                        smet={"mode": mode, "slot_warmup_steps": 3})
+    model = TwoLayers(0.3)
+    optimizer = build_optimizer(cfg, model)
+    updater = TopologyUpdater(model, cfg.sparse, 60, seed=7, optimizer=optimizer,
+                              fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
+    group_lr = next(g["lr"] for g in optimizer.param_groups if g.get("sparse"))
+    assert group_lr == pytest.approx(0.01 * 0.3**-0.5 if mode == "smet" else 0.01)
+    refs = [MaskedAdamReference(layer, group_lr, betas, 1e-8, 0.1, 3, mode == "smet") for layer in (model.a, model.b)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(1, 61):
+        for layer, ref in zip((model.a, model.b), refs):
+            grad = torch.randn(layer.out_features, layer.in_features, generator=generator, dtype=torch.float64)
+            layer.values.grad = grad.reshape(-1)[layer.index.long()].float()
+            ref.step(grad)
+        model.gain.grad = torch.randn(10, generator=generator)
+        optimizer.step()
+        if updater.due(step):
+            before = [set(layer.index.tolist()) for layer in (model.a, model.b)]
+            updater.update(step)
+            for layer, ref, old in zip((model.a, model.b), refs, before):
+                ref.move(old, set(layer.index.tolist()))
+        for layer, ref in zip((model.a, model.b), refs):
+            dense = layer.dense_weight().detach().double()
+            torch.testing.assert_close(dense, ref.w, rtol=1e-6, atol=1e-6)
+            assert (dense[~ref.mask] == 0).all()
+    if betas == (0.5, 0.6) and mode == "smet":
+        cohorts = optimizer.state[model.a.values]["cohort"]
+        assert (cohorts == MATURE).any()
+
+
+def constant_gradient_run(mode: str, steps_before: int, steps_after: int, warmup: int = 10):
+    """One 4x4 layer at density 0.5, a constant gradient of 1, one regrowth after ``steps_before``
+    steps: returns the regrown slot's weight after each later step."""
+    cfg = sparse_config(optimizer={"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+                        smet={"mode": mode, "slot_warmup_steps": warmup, "density_lr_power": 0.0})
+    layer = SparseLinear(4, 4, 0.5, init_std=1.0)
+    optimizer = build_optimizer(cfg, layer)
+    for _ in range(steps_before):
+        layer.values.grad = torch.ones_like(layer.values)
+        optimizer.step()
+    cohort = optimizer.open_cohort()
+    optimizer.regrow(layer.values, torch.tensor([0]), cohort)
+    weights = []
+    for _ in range(steps_after):
+        layer.values.grad = torch.ones_like(layer.values)
+        optimizer.step()
+        weights.append(layer.values[0].item())
+    return weights
+
+
+def test_naive_regrown_slot_takes_a_3x_step():
+    first = -constant_gradient_run("naive", steps_before=20000, steps_after=1)[0]
+    assert first / 1e-3 == pytest.approx((1 - 0.9) / math.sqrt(1 - 0.999), rel=1e-6)
+    assert first / 1e-3 == pytest.approx(3.16228, rel=1e-5)
+
+
+def test_smet_regrown_slot_warms_up_linearly():
+    weights = constant_gradient_run("smet", steps_before=50, steps_after=12, warmup=10)
+    steps = -torch.diff(torch.tensor([0.0] + weights, dtype=torch.float64))
+    expected = [1e-3 * min(1, t / 10) for t in range(1, 13)]
+    assert steps.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_topology_update_keeps_density_exact_and_prunes_the_smallest():
+    cfg = sparse_config(sparse={"density": 0.4, "update_interval": 1, "prune_fraction": 0.5})
+    model = TwoLayers(0.4)
+    optimizer = build_optimizer(cfg, model)
+    updater = TopologyUpdater(model, cfg.sparse, 10, seed=3, optimizer=optimizer,
+                              fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
+    for step in range(1, 6):
+        for layer in (model.a, model.b):
+            layer.values.grad = torch.randn_like(layer.values)
+        optimizer.step()
+        before = {id(m): (m.values.detach().clone(), m.index.clone()) for m in (model.a, model.b)}
+        updater.update(step)
+        for layer in (model.a, model.b):
+            values, index = before[id(layer)]
+            numel = layer.in_features * layer.out_features
+            assert layer.index.unique().numel() == layer.nnz == round(0.4 * numel)
+            assert (layer.dense_weight() != 0).sum() <= layer.nnz
+            moved = (layer.index != index).nonzero().squeeze(1)
+            count = int(prune_fraction(cfg.sparse, step, 10) * layer.nnz)
+            assert moved.numel() == count
+            kept = torch.ones(layer.nnz, dtype=torch.bool)
+            kept[moved] = False
+            assert values[moved].abs().max() <= values[kept].abs().min()  # the smallest were pruned
+            assert not set(layer.index[moved].tolist()) & set(index.tolist())  # grown where nothing was
+            assert (layer.values[moved] == 0).all()
+
+
+def test_regrowth_by_gradient_takes_the_largest_inactive_gradients():
+    values = torch.tensor([0.5, -0.1, 0.3, 0.05])
+    index = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    grad = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.1, -5.0, 0.2, 3.0, -0.3])
+    slots, positions = choose_regrowth(values, index, 9, 2, torch.Generator(), grad)
+    assert slots.tolist() == [1, 3] and positions.tolist() == [5, 7]
+
+
+def test_random_regrowth_is_seeded():
+    values, index = torch.randn(20), torch.arange(20, dtype=torch.int32)
+    picks = [choose_regrowth(values, index, 100, 5, torch.Generator().manual_seed(s))[1].tolist() for s in (1, 1, 2)]
+    assert picks[0] == picks[1] != picks[2]
+    assert all(p >= 20 for p in picks[0])
+
+
+def test_prune_fraction_decays_by_cosine():
+    cfg = sparse_config(sparse={"prune_fraction": 0.2, "prune_fraction_min": 0.005, "stop_step": 1000})
+    assert prune_fraction(cfg.sparse, 0, 5000) == pytest.approx(0.2)
+    assert prune_fraction(cfg.sparse, 500, 5000) == pytest.approx((0.2 + 0.005) / 2)
+    assert prune_fraction(cfg.sparse, 1000, 5000) == pytest.approx(0.005)
+
+
+def test_updates_stop_at_the_stop_step():
+    cfg = sparse_config(sparse={"update_interval": 10, "stop_step": 30})
+    updater = TopologyUpdater(TwoLayers(0.5), cfg.sparse, 100, 0, optimizer=None, fragments=None)
+    assert [s for s in range(1, 101) if updater.due(s)] == [10, 20]
+
+
+def test_erk_keeps_the_overall_density_and_favours_small_layers():
+    cfg = sparse_config(sparse={"density": 0.2, "init": "erk"}, model={"preset": "llama-60m"})
+    shapes, counts = projection_shapes(cfg.model)
+    assert shapes["gate_proj"] == (512, 1376) and shapes["down_proj"] == (1376, 512) and counts["q_proj"] == 8
+    densities = layer_densities(shapes, counts, cfg.sparse)
+    total = sum(shapes[r][0] * shapes[r][1] * counts[r] for r in shapes)
+    active = sum(densities[r] * shapes[r][0] * shapes[r][1] * counts[r] for r in shapes)
+    assert active / total == pytest.approx(0.2)
+    assert densities["q_proj"] > 0.2 > densities["gate_proj"]
+    uniform = layer_densities(shapes, counts, sparse_config(sparse={"density": 0.2}).sparse)
+    assert set(uniform.values()) == {0.2}
+
+
+def test_sparse_layer_matches_its_dense_weight():
+    torch.manual_seed(0)
+    layer = SparseLinear(6, 5, 0.4, init_std=1.0)
+    x = torch.randn(3, 6, requires_grad=True)
+    dense = layer.dense_weight().detach().clone().requires_grad_()
+    (layer(x) ** 2).sum().backward()
+    (torch.nn.functional.linear(x, dense) ** 2).sum().backward()
+    torch.testing.assert_close(layer.values.grad, dense.grad.reshape(-1)[layer.index.long()])
+    assert layer.index.dtype == torch.int32 and layer.nnz == 12
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"sparse": {"density": 0.0}}, "sparse.density: 0.0 is outside (0, 1]"),
+    ({"sparse": {"density": 1.5}}, "sparse.density: 1.5 is outside (0, 1]"),
+    ({"sparse": {"prune_fraction": 1.0}}, "sparse.prune_fraction: 1.0 is outside [0, 1)"),
+    ({"sparse": {"prune_fraction": -0.1}}, "sparse.prune_fraction: -0.1 is outside [0, 1)"),
+    ({"smet": {"slot_warmup_steps": -1}}, "smet.slot_warmup_steps: -1 must be >= 0"),
+    ({"sparse": {"regrow": "magic"}}, "sparse.regrow: 'magic' is not one of 'random', 'gradient'"),
+    ({"smet": {"mode": "fast"}}, "smet.mode: 'fast' is not one of 'smet', 'naive'"),
+    ({"sparse": {"targets": ["q_proj", "lm_head"]}}, "sparse.targets: unknown projection ['lm_head']"),
+    ({"optimizer": {"name": "adamw"}}, "model.layer: sparse projections need optimizer.name=smet"),
+    ({"model": {"layer": "dense"}}, "optimizer.name: smet trains sparse projections"),
+])
+def test_bad_sparse_configs(raw, message):
+    with pytest.raises(ConfigError) as error:
+        sparse_config(**raw)
+    assert message in str(error.value)
