@@ -57,13 +57,16 @@ def _config_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _show_config(args: argparse.Namespace) -> None:
+    from megasparse.parallel.groups import split_world
     from megasparse.train.deepspeed_config import deepspeed_config
 
     cfg = load_config(args.config, args.overrides)
+    tp = cfg.parallel.tensor_parallel
+    dp = split_world(args.world_size, tp)
     print("# resolved megasparse config")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-    print(f"# DeepSpeed config for {args.world_size} process(es)")
-    print(json.dumps(deepspeed_config(cfg, args.world_size), indent=2))
+    print(f"# DeepSpeed config for {args.world_size} process(es): {tp} tensor-parallel x {dp} data-parallel")
+    print(json.dumps(deepspeed_config(cfg, dp), indent=2))
 
 
 def _prepare_data(args: argparse.Namespace) -> None:

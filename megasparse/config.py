@@ -40,7 +40,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    layer: Literal["dense", "sparse"] = "dense"  # kind of the attention/MLP projections (sparse: see `sparse`)
+    layer: Literal["dense", "sparse", "lowrank"] = "dense"  # the attention/MLP projections: see `sparse`, `lowrank`
 
     @property
     def kv_heads(self) -> int:
@@ -71,7 +71,7 @@ class DataConfig:
 class OptimizerConfig:
     """Client optimizer and its learning-rate schedule."""
 
-    name: Literal["adamw", "smet"] = "adamw"  # smet: for sparse models, see the `smet` section
+    name: Literal["adamw", "smet", "spectron"] = "adamw"  # smet: sparse models; spectron: low-rank models
     lr: float = 3e-4
     min_lr: float = 3e-5
     betas: tuple[float, float] = (0.9, 0.95)
@@ -109,10 +109,30 @@ class SMETConfig:
 
 
 @dataclass
+class LowRankConfig:
+    """Factorised projections W = A B (``model.layer: lowrank``; Spectron, Janson et al. 2026)."""
+
+    rank_ratio: float = 0.25  # r = round(rank_ratio * in_features), per projection
+    rank: int = 0  # one explicit r for every factorised projection (overrides rank_ratio)
+    targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))  # projections factorised
+
+
+@dataclass
+class SpectronConfig:
+    """The Spectron optimizer for the factors (``optimizer.name: spectron``); the rest gets AdamW."""
+
+    lr: float = 0.02  # eta: bound on the spectral norm of each step's change of W (schedule applies)
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+
+
+@dataclass
 class ParallelConfig:
     """How the work is split; the data-parallel degree is the number of processes."""
 
     zero_stage: Literal[0, 1, 2] = 0
+    tensor_parallel: int = 1  # T: ranks that split each layer; the data-parallel degree is processes / T
     timeout_minutes: float = 30.0  # collectives that wait longer than this fail
 
 
@@ -121,7 +141,7 @@ class TrainingConfig:
     steps: int = 1000
     micro_batch_size: int = 8  # sequences per process per forward pass
     global_batch_size: int = 64  # sequences per optimizer step, over all processes
-    precision: Literal["fp32", "bf16"] = "bf16"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: needs ZeRO stage 1 or 2
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 turns it off
     seed: int = 1234
     eval_interval: int = 200  # steps between evaluations; 0: only at the end
@@ -150,6 +170,8 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     smet: SMETConfig = field(default_factory=SMETConfig)
+    lowrank: LowRankConfig = field(default_factory=LowRankConfig)
+    spectron: SpectronConfig = field(default_factory=SpectronConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -201,9 +223,16 @@ class Config:
         _require(t.eval_interval >= 0, "training.eval_interval", "must be >= 0")
         _require(t.eval_samples >= 0, "training.eval_samples", "must be >= 0")
         self._validate_sparse()
+        self._validate_lowrank()
+        self._validate_tensor_parallel()
         _require(self.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
         _require(self.logging.log_interval > 0, "logging.log_interval", "must be > 0")
         _require(self.parallel.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
+        # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
+        # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
+        _require(t.precision == "fp32" or self.parallel.zero_stage > 0, "training.precision",
+                 "bf16 needs parallel.zero_stage 1 or 2 (DeepSpeed's stage-0 bf16 wrapper steps the optimizer "
+                 "once at start-up)")
         if data_parallel_size is not None:
             per_pass = t.micro_batch_size * data_parallel_size
             _require(t.global_batch_size % per_pass == 0, "training.global_batch_size",
@@ -230,6 +259,28 @@ class Config:
         _require(not sparse_model or smet, "model.layer",
                  "sparse projections need optimizer.name=smet (smet.mode=naive for plain Adam on active weights)")
         _require(not sparse_model or bool(sp.targets), "sparse.targets", "is empty: no projection would be sparse")
+
+
+    def _validate_lowrank(self) -> None:
+        lr, sp = self.lowrank, self.spectron
+        _require(0 < lr.rank_ratio < 1, "lowrank.rank_ratio", f"{lr.rank_ratio} is outside (0, 1)")
+        _require(lr.rank >= 0, "lowrank.rank", f"{lr.rank} must be > 0 (or 0 to use lowrank.rank_ratio)")
+        unknown = [t for t in lr.targets if t not in PROJECTIONS]
+        _require(not unknown, "lowrank.targets", f"unknown projection {unknown} (choose from {', '.join(PROJECTIONS)})")
+        _require(sp.lr > 0, "spectron.lr", "must be > 0")
+        _require(0 <= sp.momentum < 1, "spectron.momentum", f"{sp.momentum} is outside [0, 1)")
+        _require(sp.ns_steps > 0, "spectron.ns_steps", "must be > 0")
+        lowrank = self.model.layer == "lowrank"
+        _require(self.optimizer.name != "spectron" or (lowrank and bool(lr.targets)), "optimizer.name",
+                 "spectron steps factorised weights, and this model has none: set model.layer=lowrank")
+
+    def _validate_tensor_parallel(self) -> None:
+        t, m = self.parallel.tensor_parallel, self.model
+        _require(t >= 1, "parallel.tensor_parallel", "must be >= 1")
+        _require(t == 1 or m.layer != "sparse", "parallel.tensor_parallel",
+                 "sparse (SMET) models run with tensor_parallel=1 (data parallel and ZeRO only)")
+        for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_dim", m.ffn_dim)):
+            _require(value % t == 0, "parallel.tensor_parallel", f"{t} does not divide {key}={value}")
 
 
 def _require(ok: bool, key: str, why: str) -> None:

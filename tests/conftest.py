@@ -35,16 +35,17 @@ def dataset(tmp_path_factory, corpus) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, dataset):
-    """Train the tiny config once per (ZeRO stage, processes, accumulation steps, precision, method);
-    cached for the session. Checkpoints at steps 4 and 8."""
+    """Train the tiny config once per (ZeRO stage, processes, accumulation steps, precision, method,
+    tensor-parallel degree); cached for the session. Checkpoints at steps 4 and 8."""
     cache: dict[tuple, Path] = {}
 
-    def run(zero: int, nproc: int, accumulation: int, precision: str = "fp32", method: str = "dense") -> Path:
-        key = (zero, nproc, accumulation, precision, method)
+    def run(zero: int, nproc: int, accumulation: int, precision: str = "fp32", method: str = "dense",
+            tp: int = 1) -> Path:
+        key = (zero, nproc, accumulation, precision, method, tp)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"run-{method}-z{zero}-p{nproc}-a{accumulation}-{precision}")
-            micro = 8 // (nproc * accumulation)  # tiny_config's global batch is 8
-            cfg = tiny_config(dataset, out, method, parallel={"zero_stage": zero},
+            out = tmp_path_factory.mktemp(f"run-{method}-z{zero}-p{nproc}-t{tp}-a{accumulation}-{precision}")
+            micro = 8 * tp // (nproc * accumulation)  # tiny_config's global batch is 8
+            cfg = tiny_config(dataset, out, method, parallel={"zero_stage": zero, "tensor_parallel": tp},
                               training={"micro_batch_size": micro, "precision": precision})
             megasparse("train", str(write_config(out / "run.yaml", cfg)), nproc=nproc).check()
             cache[key] = out

@@ -33,6 +33,8 @@ METHODS: dict[str, dict[str, dict[str, Any]]] = {
 }
 METHODS["smet-rigl"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "regrow": "gradient", "init": "erk"}}
 METHODS["naive"] = {**METHODS["smet"], "smet": {"mode": "naive"}}
+# Spectron on factorised projections (rank 0.25 x in_features) with AdamW on the rest.
+METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 
 
 def tiny_config(dataset: Path, output_dir: Path, method: str = "dense", **sections: dict[str, Any]) -> dict[str, Any]:
@@ -108,8 +110,8 @@ def train_losses(output_dir: Path) -> list[float]:
     return [record["loss"] for record in read_metrics(output_dir)]
 
 
-def final_weights(checkpoint_tag: Path) -> dict:
-    """The module state (weights and, for sparse models, index buffers) of a checkpoint."""
+def final_weights(checkpoint_tag: Path, tp_rank: int = 0) -> dict:
+    """The module state (weights and, for sparse models, index buffers) of a checkpoint's tensor-parallel rank."""
     import torch
 
-    return torch.load(checkpoint_tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    return torch.load(checkpoint_tag / f"mp_rank_{tp_rank:02d}_model_states.pt", weights_only=False)["module"]

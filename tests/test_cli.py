@@ -10,7 +10,8 @@ def test_config_prints_the_resolved_config_and_the_deepspeed_json(tmp_path, data
     path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", parallel={"zero_stage": 2},
                                                            training={"micro_batch_size": 2}))
     result = megasparse("config", str(path), "--world-size", "2", "--set", "optimizer.lr=0.001").check()
-    resolved_text, _, ds_text = result.stdout.partition("# DeepSpeed config for 2 process(es)\n")
+    resolved_text, _, ds_text = result.stdout.partition("# DeepSpeed config for 2 process(es): 1 tensor-parallel x 2 "
+                                                        "data-parallel\n")
     resolved = yaml.safe_load(resolved_text)
     assert resolved["model"]["dim"] == 64 and resolved["optimizer"]["lr"] == 0.001
     ds = json.loads(ds_text)
@@ -61,6 +62,20 @@ def test_global_batch_not_divisible_by_the_processes(tmp_path, dataset):
     result = megasparse("train", str(path), env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                                                  "MASTER_PORT": "1"}, launcher="mpiexec")
     one_error_line(result, "training.global_batch_size: 8 is not divisible by micro_batch_size x data-parallel size = 4 x 3")
+
+
+def test_tensor_parallel_degree_not_dividing_the_processes(tmp_path, dataset):
+    path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", parallel={"tensor_parallel": 2}))
+    result = megasparse("train", str(path), env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                                 "MASTER_PORT": "1"}, launcher="mpiexec")
+    one_error_line(result, "parallel.tensor_parallel: 2 does not divide the 3 processes")
+
+
+def test_checkpoint_of_another_tensor_parallel_degree(tmp_path, dataset, runs):
+    cfg = tiny_config(dataset, tmp_path / "out", "spectron", parallel={"zero_stage": 2})
+    step4 = runs(2, 2, 1, method="spectron", tp=2) / "checkpoints" / "step_00000004"
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
+    one_error_line(result, "was written with parallel.tensor_parallel=2; resume it with the same")
 
 
 def test_checkpoint_of_another_model_shape(tmp_path, dataset, runs):

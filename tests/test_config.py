@@ -65,6 +65,7 @@ def test_shipped_configs_load_by_name():
     ({"data": {"files": "a.txt"}}, "data.files: expected a list"),
     ({"data": {"val_fraction": 1.0}}, "data.val_fraction: must be in [0, 1)"),
     ({"model": [1, 2]}, "model: expected a mapping"),
+    ({"training": {"precision": "bf16"}}, "training.precision: bf16 needs parallel.zero_stage 1 or 2"),
 ])
 def test_bad_values_name_the_key(raw, message):
     with pytest.raises(ConfigError) as error:
@@ -121,7 +122,8 @@ def test_deepspeed_config_is_derived_from_one_source():
 @pytest.mark.parametrize("block,key", [({"train_batch_size": 4}, "deepspeed.train_batch_size"),
                                        ({"zero_optimization": {"stage": 3}}, "deepspeed.zero_optimization.stage"),
                                        ({"gradient_clipping": 0.0}, "deepspeed.gradient_clipping"),
-                                       ({"optimizer": {"type": "Adam"}}, "deepspeed.optimizer")])
+                                       ({"optimizer": {"type": "Adam"}}, "deepspeed.optimizer"),
+                                       ({"data_types": {"grad_accum_dtype": "fp32"}}, "deepspeed.data_types")])
 def test_deepspeed_block_cannot_set_derived_keys(block, key):
     with pytest.raises(ConfigError, match=f"{key}: derived by megasparse"):
         deepspeed_config(config_from_dict({"deepspeed": block}), data_parallel_size=1)

@@ -38,6 +38,12 @@ def test_smet_quickstart(workdir):
     assert [r["step"] for r in read_metrics(out, "topology")] == [2]
 
 
+def test_spectron_tensor_parallel_quickstart(workdir):
+    megasparse("train", "spectron-tp2-quickstart", *SHORT, nproc=2, launcher="torchrun", cwd=workdir).check()
+    records = read_metrics(workdir / "runs" / "spectron-tp2-quickstart")
+    assert len(records) == 4 and all(r["spectral_norm_max"] > 0 for r in records)
+
+
 def test_local_launcher_script(workdir):
     command = [str(REPO / "launchers" / "local.sh"), "2", "quickstart", *SHORT,
                "--set", "training.output_dir=runs/local", "--set", "parallel.zero_stage=2"]

@@ -8,7 +8,8 @@ from torch import nn
 
 from megasparse.config import config_from_dict
 from megasparse.errors import ConfigError
-from megasparse.sparse.density import layer_densities, projection_shapes
+from megasparse.model.layers import projection_shapes
+from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import MATURE
 from megasparse.sparse.topology import TopologyUpdater, choose_regrowth, prune_fraction

@@ -86,7 +86,7 @@ def test_resharded_resume(runs, dataset, tmp_path, method, zero, saved_on, resum
         assert (actual[name].float() - tensor.float()).abs().max() <= 1e-6, name
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [1, 2])
 def test_bf16_smet_trains_close_to_fp32(runs, zero):
     bf16 = train_losses(runs(zero, 2, 1, "bf16", method="smet"))
     assert bf16 == pytest.approx(train_losses(runs(0, 1, 1, method="smet")), rel=0.03)

@@ -1,41 +1,92 @@
-"""Projection-layer factory.
+"""Layer factories: the model asks for its layers by role, the config decides what they are.
 
-The model asks for each attention and MLP projection by its role and never names a layer
-class; the config picks the factory. This keeps the model file free of parallelism and of
-the sparse/low-rank machinery (the way torchtitan keeps ``parallelize`` apart from the model).
+The model never names a layer class. It asks a factory for its token embedding, for each
+attention and MLP projection by role, and for the output head (which also owns the loss, so
+that a vocabulary-parallel head can compute it on split logits). ``layer_factory`` picks the
+factory from ``model.layer`` and the tensor-parallel degree, the way torchtitan keeps
+``parallelize`` apart from the model:
+
+- ``DenseLayers``: ``nn.Embedding``, ``nn.Linear``, a linear head with cross-entropy;
+- ``SparseLayers``: SMET's ``SparseLinear`` for the sparse targets (single tensor-parallel rank);
+- ``TensorParallelLayers``: Megatron-style column/row-parallel projections (q, k, v, gate, up by
+  columns; o, down by rows), a vocabulary-parallel embedding and head;
+- ``LowRankLayers``: ``LowRankLinear`` (W = A B) for the low-rank targets, split over the
+  tensor-parallel group the same way, with the vocabulary-parallel embedding and head.
+
+Every factory draws each weight from the global RNG in the same order and shape, so for one
+seed all of them start from the same dense model (sparse masks it, low-rank factorises it,
+tensor parallelism shards it).
 """
 from __future__ import annotations
 
 from typing import Literal, Protocol
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-from megasparse.sparse.density import layer_densities, projection_shapes
+from megasparse.config import Config, ModelConfig
+from megasparse.errors import ConfigError
+from megasparse.lowrank.layers import LowRankLinear
+from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                        VocabParallelHead, normal)
+from megasparse.parallel.mappings import TensorParallel
+from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 
-from megasparse.config import Config
-
-# Column roles split their output features under tensor parallelism, row roles their inputs.
 Role = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+COLUMN_ROLES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
+ROW_ROLES = ("o_proj", "down_proj")  # input features split
+
+
+class OutputHead(Protocol):
+    def __call__(self, h: torch.Tensor) -> torch.Tensor: ...
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class LayerFactory(Protocol):
+    def embedding(self, vocab_size: int, dim: int, init_std: float) -> nn.Module:
+        """ids -> vectors, weight N(0, init_std^2)."""
+
     def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
-        """A bias-free map R^in -> R^out, initialised with N(0, init_std^2) weights (or the
-        factory's equivalent)."""
+        """A bias-free map R^in -> R^out, weights N(0, init_std^2) (or the factory's equivalent)."""
+
+    def head(self, dim: int, vocab_size: int, init_std: float) -> OutputHead:
+        """vectors -> logits, with the mean cross-entropy of (possibly split) logits."""
+
+
+class LinearHead(nn.Linear):
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
 
 class DenseLayers:
-    """Plain ``nn.Linear`` projections."""
+    def embedding(self, vocab_size: int, dim: int, init_std: float) -> nn.Module:
+        return nn.Embedding(vocab_size, dim, _weight=normal(vocab_size, dim, std=init_std))
 
     def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
-        layer = nn.Linear(in_features, out_features, bias=False)
-        nn.init.normal_(layer.weight, mean=0.0, std=init_std)
-        return layer
+        return _initialised(_uninitialised(nn.Linear, in_features, out_features), init_std)
+
+    def head(self, dim: int, vocab_size: int, init_std: float) -> OutputHead:
+        return _initialised(_uninitialised(LinearHead, dim, vocab_size), init_std)
+
+
+def _uninitialised(cls: type[nn.Linear], in_features: int, out_features: int) -> nn.Linear:
+    """A bias-free linear layer whose weight is allocated but not initialised (on the current default device)."""
+    return torch.nn.utils.skip_init(cls, in_features, out_features, bias=False, device=torch.get_default_device())
+
+
+def _initialised(layer: nn.Linear, init_std: float) -> nn.Linear:
+    nn.init.normal_(layer.weight, mean=0.0, std=init_std)
+    return layer
 
 
 class SparseLayers(DenseLayers):
-    """``SparseLinear`` for the roles in ``densities``, dense projections for the others."""
+    """``SparseLinear`` for the roles in ``densities``, dense layers for everything else."""
 
     def __init__(self, densities: dict[str, float]) -> None:
         self.densities = densities
@@ -46,10 +97,75 @@ class SparseLayers(DenseLayers):
         return SparseLinear(in_features, out_features, self.densities[role], init_std)
 
 
-def layer_factory(cfg: Config) -> LayerFactory:
-    """The factory for ``model.layer``."""
+class TensorParallelLayers:
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+
+    def embedding(self, vocab_size: int, dim: int, init_std: float) -> nn.Module:
+        return VocabParallelEmbedding(vocab_size, dim, self.tp, init_std)
+
+    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
+        if role in COLUMN_ROLES:
+            return ColumnParallelLinear(in_features, out_features, self.tp, init_std)
+        return RowParallelLinear(in_features, out_features, self.tp, init_std)
+
+    def head(self, dim: int, vocab_size: int, init_std: float) -> OutputHead:
+        return VocabParallelHead(dim, vocab_size, self.tp, init_std)
+
+
+class LowRankLayers(TensorParallelLayers):
+    """``LowRankLinear`` of the given rank for each role in ``ranks``; the rest as ``TensorParallelLayers``."""
+
+    def __init__(self, tp: TensorParallel, ranks: dict[str, int]) -> None:
+        super().__init__(tp)
+        self.ranks = ranks
+
+    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
+        if role not in self.ranks:
+            return super().projection(in_features, out_features, role, init_std)
+        parallel = None if self.tp.size == 1 else "column" if role in COLUMN_ROLES else "row"
+        return LowRankLinear(in_features, out_features, self.ranks[role], init_std, self.tp, parallel)
+
+
+def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """Each projection role's (in, out) shape and how many layers have it, read off the model
+    itself (built on the meta device)."""
+    from megasparse.model.llama import Llama
+
+    shapes: dict[str, tuple[int, int]] = {}
+    counts: dict[str, int] = {}
+
+    class Recorder(DenseLayers):
+        def projection(self, in_features, out_features, role, init_std):
+            shapes[role] = (in_features, out_features)
+            counts[role] = counts.get(role, 0) + 1
+            return super().projection(in_features, out_features, role, init_std)
+
+    with torch.device("meta"):
+        Llama(model, vocab_size=1, layers=Recorder())
+    return shapes, counts
+
+
+def low_ranks(cfg: Config) -> dict[str, int]:
+    """Each low-rank role's rank: ``lowrank.rank``, or ``lowrank.rank_ratio`` x in_features, checked."""
+    shapes, _ = projection_shapes(cfg.model)
+    ranks = {}
+    for role in cfg.lowrank.targets:
+        in_features, out_features = shapes[role]
+        rank = cfg.lowrank.rank or round(cfg.lowrank.rank_ratio * in_features)
+        if not 0 < rank < min(in_features, out_features):
+            raise ConfigError(f"lowrank: rank {rank} for {role} ({out_features} x {in_features}) must be in "
+                              f"(0, {min(in_features, out_features)})")
+        ranks[role] = rank
+    return ranks
+
+
+def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel()) -> LayerFactory:
+    """The factory for ``model.layer`` on ``tp``'s tensor-parallel group."""
     if cfg.model.layer == "sparse":
         shapes, counts = projection_shapes(cfg.model)
         targets = {role: shapes[role] for role in cfg.sparse.targets}
         return SparseLayers(layer_densities(targets, counts, cfg.sparse))
-    return DenseLayers()
+    if cfg.model.layer == "lowrank":
+        return LowRankLayers(tp, low_ranks(cfg))
+    return TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()

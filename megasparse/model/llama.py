@@ -5,8 +5,9 @@
     h_l     = a_l + W_down (SiLU(W_gate x) * W_up x),  x = RMSNorm(a_l)
     logits  = W_head RMSNorm(h_L)
 
-Projections come from a :class:`~megasparse.model.layers.LayerFactory`, so the same model
-runs dense, sparse, low-rank or tensor-parallel. Parameter names follow Hugging Face's
+The embedding, projections and head come from a :class:`~megasparse.model.layers.LayerFactory`,
+so the same model runs dense, sparse, low-rank or tensor-parallel; the head also computes the
+loss, so a vocabulary-parallel head never gathers the logits. Parameter names follow Hugging Face's
 ``LlamaForCausalLM`` (without its ``model.`` prefix), and RoPE uses its rotate-half layout,
 so weights move to and from ``transformers`` without permutation.
 """
@@ -115,12 +116,10 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         layers = layers or DenseLayers()
-        self.embed_tokens = nn.Embedding(vocab_size, cfg.dim)
+        self.embed_tokens = layers.embedding(vocab_size, cfg.dim, cfg.init_std)
         self.layers = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, vocab_size, bias=False)
-        nn.init.normal_(self.embed_tokens.weight, std=cfg.init_std)
-        nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.lm_head = layers.head(cfg.dim, vocab_size, cfg.init_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -132,8 +131,8 @@ class Llama(nn.Module):
             h = block(h, cos, sin)
         logits = self.lm_head(self.norm(h))
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.lm_head.gather(logits)
+        return self.lm_head.loss(logits, targets)
 
 
 def num_parameters(model: nn.Module) -> int:

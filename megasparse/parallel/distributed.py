@@ -28,6 +28,19 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
                                timeout=timedelta(minutes=timeout_minutes), verbose=False)
 
 
+def gradient_norm(parameters, parallel) -> float:
+    """||g||_2 over the whole model: shards of tensor-parallel parameters summed over the tensor-parallel
+    group, replicated parameters counted once (DeepSpeed's rule: ``tensor_model_parallel`` marks shards)."""
+    device = get_accelerator().current_device_name()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in parameters:
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or parallel.tensor_parallel_rank == 0):
+            total += p.grad.detach().float().square().sum()
+    if parallel.tensor_parallel_size > 1:
+        dist.all_reduce(total, group=parallel.tensor_parallel_group)
+    return total.sqrt().item()
+
+
 def is_main_process() -> bool:
     return dist.get_rank() == 0
 

@@ -6,7 +6,7 @@ weights over all sparse layers total d * sum_l N_l: small layers stay denser, wi
 """
 from __future__ import annotations
 
-from megasparse.config import ModelConfig, SparseConfig
+from megasparse.config import SparseConfig
 
 
 def layer_densities(shapes: dict[str, tuple[int, int]], counts: dict[str, int], cfg: SparseConfig) -> dict[str, float]:
@@ -24,23 +24,3 @@ def layer_densities(shapes: dict[str, tuple[int, int]], counts: dict[str, int], 
         if not over:
             return {r: 1.0 if r in dense else eps * raw[r] for r in shapes}
         dense.update(over)
-
-
-def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
-    """Each projection role's (in, out) shape and count, read off the model itself (on the meta device)."""
-    import torch
-
-    from megasparse.model.llama import Llama
-
-    shapes: dict[str, tuple[int, int]] = {}
-    counts: dict[str, int] = {}
-
-    class Recorder:
-        def projection(self, in_features, out_features, role, init_std):
-            shapes[role] = (in_features, out_features)
-            counts[role] = counts.get(role, 0) + 1
-            return torch.nn.Linear(in_features, out_features, bias=False)
-
-    with torch.device("meta"):
-        Llama(model, vocab_size=1, layers=Recorder())
-    return shapes, counts

@@ -36,6 +36,8 @@ from collections.abc import Iterable
 
 import torch
 
+from megasparse.train.adamw import adamw_update
+
 MATURE = 255
 _COHORTS = 256
 _FP32_VANISH = 2.0**-24
@@ -64,15 +66,12 @@ class SMETAdam(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         (beta1, beta2), eps, lr, decay = group["betas"], group["eps"], group["lr"], group["weight_decay"]
+        if state["cohort"] is None:  # dense parameters, or the naive mode: one step count
+            adamw_update(p, grad, state, lr, group["betas"], eps, decay)
+            return
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        if state["cohort"] is None:  # dense parameters, or the naive mode: one step count
-            t = state["step"]
-            p.mul_(1 - lr * decay)
-            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-            return
         lr_c, rate_c, inv_sqrt_bc2_c = self._cohort_tables(state, lr, beta1, beta2)
         cohort = state["cohort"].long()
         if decay:

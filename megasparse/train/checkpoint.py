@@ -44,6 +44,7 @@ class CheckpointMeta:
     tokenizer_sha256: str
     world_size: int
     data_parallel_size: int
+    tensor_parallel_size: int = 1
 
     @classmethod
     def read(cls, tag_dir: Path) -> "CheckpointMeta":
@@ -101,7 +102,8 @@ def load_checkpoint(engine, client_optimizer, tag_dir: Path, meta: CheckpointMet
     if path is None or not client_state or "megasparse" not in client_state:
         raise UserError(f"checkpoint '{tag_dir}' could not be loaded by DeepSpeed")
     if reshard:
-        load_consolidated(engine, client_optimizer, consolidate_zero_checkpoint(tag_dir))
+        tp_rank = engine.mpu.get_model_parallel_rank() if engine.mpu else 0
+        load_consolidated(engine, client_optimizer, consolidate_zero_checkpoint(tag_dir, tp_rank))
         # the optimizer's param groups (and with them the current rates) were not loaded
         for group, lr in zip(client_optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr
@@ -127,6 +129,9 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
     if (saved_stage == 0) != (stage == 0):
         raise UserError(f"checkpoint '{tag_dir}' was written at ZeRO stage {saved_stage}; resume it at stage "
                         f"{'0' if saved_stage == 0 else '1 or 2'} (this config has {stage})")
+    if meta.tensor_parallel_size != cfg.parallel.tensor_parallel:
+        raise UserError(f"checkpoint '{tag_dir}' was written with parallel.tensor_parallel={meta.tensor_parallel_size}; "
+                        f"resume it with the same tensor-parallel degree (this config has {cfg.parallel.tensor_parallel})")
     keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
                                               if cfg.model.layer == "sparse" else [])
     for key in keys:
@@ -134,6 +139,9 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
         theirs, ours = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
         if theirs != ours:
             raise UserError(f"checkpoint '{tag_dir}' was trained with {key}={theirs}; this config has {ours}")
+    if cfg.model.layer == "lowrank" and (saved.lowrank.rank, saved.lowrank.rank_ratio, saved.lowrank.targets) != (
+            cfg.lowrank.rank, cfg.lowrank.rank_ratio, cfg.lowrank.targets):
+        raise UserError(f"checkpoint '{tag_dir}' has other low-rank factor shapes (lowrank.rank, rank_ratio, targets)")
 
 
 def rng_state() -> dict[str, torch.Tensor]:

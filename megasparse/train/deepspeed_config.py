@@ -21,6 +21,7 @@ _DERIVED = {
     "gradient_clipping": "training.grad_clip",
     "bf16": "training.precision",
     "fp16": "training.precision",
+    "data_types": "training.precision (gradients accumulate in the model's dtype)",
     "zero_optimization.stage": "parallel.zero_stage",
     "optimizer": "the optimizer section (megasparse passes its own client optimizer)",
     "scheduler": "optimizer.schedule (megasparse passes its own scheduler)",

@@ -2,9 +2,8 @@
 
 DeepSpeed hands the client optimizer different tensors depending on the layout:
 
-- ZeRO-0 in fp32: the module parameters themselves;
-- ZeRO-0 in bf16 (``FP16_UnfusedOptimizer``): an fp32 copy of each parameter;
-- ZeRO-1/2 (and ``BF16_Optimizer``): per parameter group, one flat fp32 partition per rank.
+- ZeRO-0 (fp32 only; see ``training.precision``): the module parameters themselves;
+- ZeRO-1/2: per parameter group, one flat fp32 partition per rank.
   The parameters of a group are flattened in DeepSpeed's (round-robin) order and padded for
   alignment, then cut into equal partitions, so a parameter may be split between ranks or be
   absent from this rank; DeepSpeed records the piece this rank holds in ``param._hp_mapping``.
@@ -35,7 +34,7 @@ class Fragment:
 
 def optimizer_fragments(engine, client_optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> list[Fragment]:
     """The fragments of ``param`` held by ``client_optimizer`` on this rank (possibly none)."""
-    if hasattr(param, "_hp_mapping"):  # ZeRO-1/2, BF16_Optimizer
+    if hasattr(param, "_hp_mapping"):  # ZeRO-1/2
         mapping = param._hp_mapping
         if mapping is None:
             return []
@@ -43,12 +42,7 @@ def optimizer_fragments(engine, client_optimizer: torch.optim.Optimizer, param: 
         assert owner.untyped_storage().data_ptr() == mapping.hp_fragment.untyped_storage().data_ptr()
         return [Fragment(owner, mapping.hp_fragment_address.start, mapping.lp_fragment_address.start,
                          mapping.lp_fragment_address.numel)]
-    if any(p is param for group in client_optimizer.param_groups for p in group["params"]):  # ZeRO-0, fp32
+    if any(p is param for group in client_optimizer.param_groups for p in group["params"]):  # ZeRO-0
         return [Fragment(param, 0, 0, param.numel())]
-    wrapper = engine.optimizer
-    for low, high in zip(getattr(wrapper, "fp16_groups", []), getattr(wrapper, "fp32_groups", [])):  # ZeRO-0, bf16
-        for p, copy in zip(low, high):
-            if p is param:
-                return [Fragment(copy, 0, 0, param.numel())]
-    raise NotImplementedError(f"cannot locate a parameter in {type(wrapper).__name__}: this DeepSpeed optimizer "
-                              "wrapper is not supported")
+    raise NotImplementedError(f"cannot locate a parameter in {type(engine.optimizer).__name__}: this DeepSpeed "
+                              "optimizer wrapper is not supported")

@@ -1,7 +1,7 @@
 """Resume a ZeRO-1/2 checkpoint on a different number of data-parallel ranks.
 
-DeepSpeed writes one file per rank, ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, with
-that rank's flat fp32 partition of every parameter group and the client optimizer's state
+DeepSpeed writes one file per data-parallel rank r and tensor-parallel rank t,
+``zero_pp_rank_<r>_mp_rank_<t>_optim_states.pt``, with that rank's flat fp32 partition of every parameter group and the client optimizer's state
 for it. A group's flat vector is its parameters, flattened in the order recorded in the
 model file's ``param_shapes``, each followed by its alignment padding, then cut into equal
 partitions. :func:`consolidate_zero_checkpoint` undoes this into one full fp32 tensor and one
@@ -24,23 +24,26 @@ import torch
 from megasparse.errors import UserError
 from megasparse.train.partitions import optimizer_fragments
 
-_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 FP32 = "fp32"  # key of the full fp32 master weights in a consolidated parameter entry
 
 
-def zero_rank_files(tag_dir: Path) -> list[Path]:
-    files = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _RANK_FILE.search(p.name))}
+def zero_rank_files(tag_dir: Path, tp_rank: int = 0) -> list[Path]:
+    """The optimizer files of tensor-parallel rank ``tp_rank``, by data-parallel rank."""
+    files = {int(m.group(1)): p for p in tag_dir.iterdir()
+             if (m := _RANK_FILE.search(p.name)) and int(m.group(2)) == tp_rank}
     if sorted(files) != list(range(len(files))) or not files:
         raise UserError(f"checkpoint '{tag_dir}' has ZeRO optimizer files for ranks {sorted(files)}; some are missing")
     return [files[r] for r in range(len(files))]
 
 
-def consolidate_zero_checkpoint(tag_dir: Path) -> dict[str, dict[str, Any]]:
-    """Per parameter name: ``{"fp32": full master weights, <state key>: full tensor or group value}``."""
-    model_file = tag_dir / "mp_rank_00_model_states.pt"
+def consolidate_zero_checkpoint(tag_dir: Path, tp_rank: int = 0) -> dict[str, dict[str, Any]]:
+    """Per parameter name (of tensor-parallel rank ``tp_rank``'s shard): ``{"fp32": full master weights,
+    <state key>: full tensor or group value}``."""
+    model_file = tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
     shapes = torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"]
     ranks = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-             for f in zero_rank_files(tag_dir)]
+             for f in zero_rank_files(tag_dir, tp_rank)]
     params: dict[str, dict[str, Any]] = {}
     for group, group_shapes in enumerate(shapes):
         partitions = [r["single_partition_of_fp32_groups"][group] for r in ranks]

@@ -28,8 +28,11 @@ from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.model.layers import layer_factory
 from megasparse.model.llama import Llama, num_parameters
-from megasparse.parallel.distributed import init_distributed, is_main_process, rank0_runs
+from megasparse.lowrank.spectron import Spectron, factor_pairs
+from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
+from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
+from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, complete_checkpoints, load_checkpoint,
                                          resolve_resume, rng_state, save_checkpoint, set_rng_state)
@@ -42,12 +45,17 @@ from megasparse.train.schedule import LearningRateSchedule
 
 def train(cfg: Config, resume: str | None = None) -> "Trainer":
     """Run (or continue, with ``resume``) the training described by ``cfg``; returns the finished trainer."""
-    launch = discover_launch_env()
-    cfg.validate(launch.world_size)
-    init_distributed(launch, cfg.parallel.timeout_minutes)
-    trainer = Trainer(cfg, launch.world_size, resume)
+    trainer = Trainer(cfg, start_processes(cfg), resume)
     trainer.run()
     return trainer
+
+
+def start_processes(cfg: Config) -> ParallelState:
+    """Find this process's rank, check the batch split, join the process group, create the TP x DP groups."""
+    launch = discover_launch_env()
+    cfg.validate(split_world(launch.world_size, cfg.parallel.tensor_parallel))
+    init_distributed(launch, cfg.parallel.timeout_minutes)
+    return create_groups(cfg.parallel.tensor_parallel)
 
 
 def load_or_prepare(cfg: Config) -> PreparedData:
@@ -66,11 +74,16 @@ def load_or_prepare(cfg: Config) -> PreparedData:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, data_parallel_size: int, resume: str | None) -> None:
-        self.cfg, self.dp_size = cfg, data_parallel_size
-        self.dp_rank = dist.get_rank()
+    def __init__(self, cfg: Config, parallel: ParallelState, resume: str | None) -> None:
+        self.cfg, self.parallel = cfg, parallel
+        self.dp_rank, self.dp_size = parallel.data_parallel_rank, parallel.data_parallel_size
+        self.dp_group = parallel.data_parallel_group
         t = cfg.training
         self.data = load_or_prepare(cfg)
+        tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size, parallel.tensor_parallel_rank)
+        if self.data.vocab_size % tp.size:
+            raise UserError(f"parallel.tensor_parallel={tp.size} does not divide the vocabulary size "
+                            f"{self.data.vocab_size} of {cfg.data.path}; prepare it with a data.vocab_size it divides")
         train_windows = self.data.split("train", cfg.data.seq_len)
         if len(train_windows) == 0:
             raise UserError(f"dataset {cfg.data.path} has fewer than data.seq_len + 1 = {cfg.data.seq_len + 1} tokens")
@@ -84,25 +97,30 @@ class Trainer:
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
 
         torch.manual_seed(t.seed)
-        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg))
+        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp))
         self.num_parameters = num_parameters(model)
-        self.ds_config = deepspeed_config(cfg, data_parallel_size)
+        self.ds_config = deepspeed_config(cfg, self.dp_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
         self.optimizer = build_optimizer(cfg, model)
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=self.optimizer,
+            model=model, optimizer=self.optimizer, mpu=parallel,
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule), config=self.ds_config,
             dist_init_required=False,
         )
         self.device = self.engine.device
-        self.topology = TopologyUpdater(
-            self.engine.module, cfg.sparse, t.steps, t.seed, self.optimizer,
-            fragments=lambda param: optimizer_fragments(self.engine, self.optimizer, param),
-        ) if cfg.model.layer == "sparse" else None
+
+        def fragments(param: torch.nn.Parameter):
+            return optimizer_fragments(self.engine, self.optimizer, param)
+
+        self.topology = TopologyUpdater(self.engine.module, cfg.sparse, t.steps, t.seed, self.optimizer, fragments,
+                                        self.dp_group) if cfg.model.layer == "sparse" else None
+        if isinstance(self.optimizer, Spectron):
+            self.optimizer.attach(factor_pairs(self.engine.module), fragments, self.dp_group,
+                                  partitioned=cfg.parallel.zero_stage > 0)
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only.
         self.measure_grad_norm = not hasattr(self.engine.optimizer, "_global_grad_norm")
         self.loader = PretrainingBatches(train_windows, t.global_batch_size, t.micro_batch_size,
-                                         self.dp_rank, data_parallel_size, t.seed)
+                                         self.dp_rank, self.dp_size, t.seed)
         self.step = self._load(self.resume_from) if self.resume_from else 0
         self.metrics = MetricsLogger(Path(t.output_dir), is_main_process(), self.step, t.steps,
                                      cfg.logging.progress_bar, cfg.logging.tensorboard)
@@ -137,8 +155,9 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             (out / "deepspeed.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
-            _log(f"model: {self.num_parameters:,} parameters, vocabulary {self.data.vocab_size}; "
-                 f"{self.dp_size} data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
+            _log(f"model: {self.num_parameters:,} parameters per tensor-parallel rank, vocabulary "
+                 f"{self.data.vocab_size}; {self.parallel.tensor_parallel_size} tensor-parallel x {self.dp_size} "
+                 f"data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
                  f"{self.loader.accumulation_steps} micro-batch(es) per step")
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
@@ -155,7 +174,7 @@ class Trainer:
             window_steps += 1
             self.metrics.advance()
             if log_now:
-                dist.all_reduce(window_loss)
+                dist.all_reduce(window_loss, group=self.dp_group)
                 elapsed = time.perf_counter() - window_start
                 grad_norm = grad_norm if grad_norm is not None else self.engine.get_global_grad_norm()
                 values = {
@@ -166,6 +185,7 @@ class Trainer:
                     "tokens_per_s": window_steps * tokens_per_step / elapsed,
                     "step_time_s": elapsed / window_steps,
                     "memory_gb": get_accelerator().max_memory_allocated() / 2**30,
+                    **self._optimizer_statistics(),
                 }
                 self.metrics.log("train", self.step, **values)
                 window_loss.zero_()
@@ -190,8 +210,7 @@ class Trainer:
             loss = self.engine(inputs.to(self.device), targets.to(self.device))
             self.engine.backward(loss)
             if measure_norm and i == len(micro_batches) - 1:  # gradients are reduced at the boundary
-                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-                grad_norm = torch.nn.utils.get_total_norm(grads).item()
+                grad_norm = gradient_norm(self.engine.module.parameters(), self.parallel)
             self.engine.step()
             total += loss.detach().float()
         return total / len(micro_batches), grad_norm
@@ -207,9 +226,17 @@ class Trainer:
             loss = self.engine(inputs.to(self.device), targets.to(self.device))
             totals += torch.stack([loss.double() * len(inputs), totals.new_tensor(len(inputs))])
         self.engine.train()
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.dp_group)
         val_loss = (totals[0] / totals[1]).item()
         self.metrics.log("eval", self.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+
+    def _optimizer_statistics(self) -> dict[str, float]:
+        """Spectron: the largest and mean sigma_A + sigma_B over the factor pairs at the last step."""
+        norms = getattr(self.optimizer, "spectral_norms", None)
+        if not norms:
+            return {}
+        sums = [a + b for a, b in norms.values()]
+        return {"spectral_norm_max": max(sums), "spectral_norm_mean": sum(sums) / len(sums)}
 
     def _save(self) -> None:
         t = self.cfg.training
@@ -218,6 +245,7 @@ class Trainer:
             tokens=self.step * t.global_batch_size * self.cfg.data.seq_len, config=self.cfg.to_dict(),
             vocab_size=self.data.vocab_size, tokenizer_sha256=self.data.tokenizer_sha256,
             world_size=dist.get_world_size(), data_parallel_size=self.dp_size,
+            tensor_parallel_size=self.parallel.tensor_parallel_size,
         )
         save_checkpoint(self.engine, self.cfg.checkpoint_dir, meta,
                         {"loader": self.loader.state_dict(), "rng": rng_state()})

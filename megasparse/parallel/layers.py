@@ -1,0 +1,118 @@
+"""Tensor-parallel layers with megatron-core semantics.
+
+- ``ColumnParallelLinear``: W (out x in) split by rows; each rank computes its slice of the
+  output features, y_r = x W_r^T (``gather_output`` concatenates them).
+- ``RowParallelLinear``: W split by columns; each rank takes its slice of the input features
+  (``input_is_parallel``: it already has it, e.g. from a column-parallel layer) and the partial
+  products are summed, y = sum_r x_r W_r^T, by one all-reduce.
+- ``VocabParallelEmbedding``: the table split by vocabulary rows; ids outside a rank's range
+  look up zeros and an all-reduce assembles the embeddings.
+- ``VocabParallelHead`` and :func:`vocab_parallel_cross_entropy`: logits stay split over the
+  vocabulary; the softmax cross-entropy needs only an all-reduced max, sum of exponentials and
+  target logit per token (Megatron-LM's ``_VocabParallelCrossEntropy``).
+
+Every layer draws the full weight from the global RNG, exactly as the single-process layer
+does, and keeps its shard, so a tensor-parallel model starts identical to the unsplit one.
+Sharded parameters carry ``tensor_model_parallel = True`` (and ``partition_dim``), which is how
+DeepSpeed counts them once per tensor-parallel rank in gradient norms.
+"""
+from __future__ import annotations
+
+import deepspeed.comm as dist
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megasparse.parallel.mappings import (TensorParallel, all_reduce, copy_to_region, gather_from_region,
+                                          reduce_from_region, scatter_to_region)
+
+
+def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None) -> nn.Parameter:
+    """``full`` (or, with ``dim``, this rank's slice of it along ``dim``) as a parameter marked for DeepSpeed."""
+    param = nn.Parameter(full if dim is None or tp.size == 1 else tp.shard(full, dim))
+    if dim is not None and tp.size > 1:
+        param.tensor_model_parallel, param.partition_dim = True, dim
+    return param
+
+
+def normal(*shape: int, std: float) -> torch.Tensor:
+    return nn.init.normal_(torch.empty(*shape), mean=0.0, std=std)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init_std: float,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        self.weight = sharded_parameter(normal(out_features, in_features, std=init_std), tp, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_region(x, self.tp), self.weight)
+        return gather_from_region(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init_std: float,
+                 input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.weight = sharded_parameter(normal(out_features, in_features, std=init_std), tp, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if self.input_is_parallel else scatter_to_region(x, self.tp)
+        return reduce_from_region(F.linear(x, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, init_std: float) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = sharded_parameter(normal(vocab_size, dim, std=init_std), tp, dim=0)
+        self.start = tp.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_region(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """Logits split over the vocabulary; ``loss`` and ``gather`` work on the split logits."""
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.float().flatten(0, -2), targets.flatten(), self.tp).mean()
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_from_region(logits, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        width = logits.shape[-1]
+        top = logits.max(dim=-1).values
+        if tp.size > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - top.unsqueeze(-1)
+        local = targets - tp.rank * width
+        elsewhere = (local < 0) | (local >= width)
+        local = local.masked_fill(elsewhere, 0)
+        target_logit = all_reduce(shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(elsewhere, 0.0), tp)
+        exp = shifted.exp()
+        total = all_reduce(exp.sum(dim=-1), tp)
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, elsewhere)
+        return total.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, elsewhere = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~elsewhere).to(grad.dtype)
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Per-token -log softmax(logits)[target] for logits (N, V / T) split over the vocabulary."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp)

@@ -1,0 +1,135 @@
+"""Checks that run inside a real multi-process group (launched by torchrun from test_tensor_parallel.py).
+
+Each check builds the same layer or matrix on every rank from one seed, runs it split over the
+tensor-parallel group and whole on every rank, and returns the largest relative error. Rank 0
+writes ``{check: error or "FAILED: ..."}`` as JSON to the path given on the command line.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+import torch.nn.functional as F
+
+from megasparse.lowrank.layers import LowRankLinear
+from megasparse.lowrank.linalg import newton_schulz, power_iteration
+from megasparse.parallel.groups import create_groups
+from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from megasparse.parallel.mappings import TensorParallel
+
+
+def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+def gathered(shard: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(shard) for _ in range(tp.size)]
+    dist.all_gather(parts, shard.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+def mlp_pair(tp: TensorParallel, lowrank: bool) -> float:
+    """column-parallel then row-parallel projection (as q/o or up/down) against the unsplit pair."""
+    def build(t: TensorParallel):
+        torch.manual_seed(0)
+        if lowrank:
+            return (LowRankLinear(16, 24, 6, 0.3, t, "column" if t.size > 1 else None),
+                    LowRankLinear(24, 12, 5, 0.3, t, "row" if t.size > 1 else None))
+        return ColumnParallelLinear(16, 24, t, 0.3), RowParallelLinear(24, 12, t, 0.3)
+
+    split, whole = build(tp), build(TensorParallel())
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x_whole = x.detach().clone().requires_grad_()
+    y = split[1](F.silu(split[0](x)))
+    y_whole = whole[1](F.silu(whole[0](x_whole)))
+    (y.square().sum()).backward()
+    (y_whole.square().sum()).backward()
+    errors = [relative(y, y_whole), relative(x.grad, x_whole.grad)]
+    names = ["A", "B"] if lowrank else ["weight"]
+    for layer, reference, kind in ((split[0], whole[0], "column"), (split[1], whole[1], "row")):
+        for name in names:
+            param, ref = getattr(layer, name), getattr(reference, name)
+            dim = getattr(param, "partition_dim", None)
+            full = gathered(param.grad, tp, dim) if dim is not None else param.grad
+            errors.append(relative(full, ref.grad))
+    return max(errors)
+
+
+def dense_pair(tp):
+    return mlp_pair(tp, lowrank=False)
+
+
+def lowrank_pair(tp):
+    return mlp_pair(tp, lowrank=True)
+
+
+def vocab_parallel(tp: TensorParallel) -> float:
+    """Embedding, head and cross-entropy split over the vocabulary against F.embedding/F.cross_entropy."""
+    def build(t):
+        torch.manual_seed(0)
+        return VocabParallelEmbedding(20, 8, t, 1.0), VocabParallelHead(8, 20, t, 0.5)
+
+    (emb, head), (emb_whole, head_whole) = build(tp), build(TensorParallel())
+    ids = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(2))
+    targets = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(3))
+    logits = head(emb(ids))
+    loss = head.loss(logits, targets)
+    loss_whole = F.cross_entropy(head_whole(emb_whole(ids)).flatten(0, 1), targets.flatten())
+    loss.backward()
+    loss_whole.backward()
+    return max(relative(loss, loss_whole), relative(head.gather(logits), head_whole(emb_whole(ids))),
+               relative(gathered(emb.weight.grad, tp, 0), emb_whole.weight.grad),
+               relative(gathered(head.weight.grad, tp, 0), head_whole.weight.grad))
+
+
+def power_iteration_steps(tp: TensorParallel) -> float:
+    """Every step of the split iteration equals the single-process step."""
+    full = torch.randn(48, 6, generator=torch.Generator().manual_seed(4))
+    v = v_whole = torch.nn.functional.normalize(torch.randn(6, generator=torch.Generator().manual_seed(5)), dim=0)
+    errors = []
+    for _ in range(30):
+        sigma, v = power_iteration(tp.shard(full, 0), v, tp)
+        sigma_whole, v_whole = power_iteration(full, v_whole, TensorParallel())
+        errors += [relative(v, v_whole), abs(sigma.item() / sigma_whole.item() - 1)]
+    return max(errors)
+
+
+def power_iteration_converges(tp: TensorParallel) -> float:
+    """The split iteration reaches ||X||_2 (relative error after 60 warm-started steps)."""
+    full = torch.randn(48, 6, generator=torch.Generator().manual_seed(4))
+    v = torch.nn.functional.normalize(torch.randn(6, generator=torch.Generator().manual_seed(5)), dim=0)
+    for _ in range(60):
+        sigma, v = power_iteration(tp.shard(full, 0), v, tp)
+    return abs(sigma.item() / torch.linalg.matrix_norm(full, 2).item() - 1)
+
+
+def newton_schulz_split(tp: TensorParallel) -> float:
+    full = torch.randn(40, 7, generator=torch.Generator().manual_seed(6))
+    return relative(gathered(newton_schulz(tp.shard(full, 0), tp), tp, 0), newton_schulz(full, TensorParallel()))
+
+
+CHECKS = [dense_pair, lowrank_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
+          newton_schulz_split]
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    state = create_groups(dist.get_world_size())
+    tp = TensorParallel(state.tensor_parallel_group, state.tensor_parallel_size, state.tensor_parallel_rank)
+    results = {}
+    for check in CHECKS:
+        try:
+            results[check.__name__] = check(tp)
+        except Exception:  # reported per check, so one failure does not hide the others
+            results[check.__name__] = "FAILED: " + traceback.format_exc()
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as handle:
+            json.dump(results, handle)
+
+
+if __name__ == "__main__":
+    main()

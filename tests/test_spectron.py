@@ -1,0 +1,159 @@
+"""Spectron and the low-rank layer in one process: the step against a plain reference, the
+spectral bound on the change of W, orthogonalisation, balanced initialisation, config checks."""
+import pytest
+import torch
+from torch import nn
+
+from megasparse.config import config_from_dict
+from megasparse.errors import ConfigError
+from megasparse.lowrank.layers import LowRankLinear, balanced_factors
+from megasparse.lowrank.linalg import newton_schulz
+from megasparse.lowrank.spectron import factor_pairs
+from megasparse.model.layers import layer_factory
+from megasparse.parallel.mappings import TensorParallel
+from megasparse.train.optim import build_optimizer
+from megasparse.train.partitions import Fragment
+
+WHOLE = TensorParallel()
+
+
+def spectron_config(**sections):
+    raw = {"model": {"preset": "llama-tiny", "layer": "lowrank"}, "optimizer": {"name": "spectron"}}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw).validate()
+
+
+class Pair(nn.Module):
+    def __init__(self, rank: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = LowRankLinear(20, 12, rank, init_std=0.3)
+        self.gain = nn.Parameter(torch.ones(12))
+
+
+def attached(model, **sections):
+    optimizer = build_optimizer(spectron_config(**sections), model)
+    optimizer.attach(factor_pairs(model), fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
+    return optimizer
+
+
+def reference_newton_schulz(m: torch.Tensor) -> torch.Tensor:
+    x = m / (m.norm() + 1e-7)
+    for _ in range(5):
+        gram = x.T @ x
+        x = 3.4445 * x + x @ (-4.7750 * gram + 2.0315 * gram @ gram)
+    return x
+
+
+def test_step_equals_the_written_out_algorithm():
+    model = Pair()
+    optimizer = attached(model, spectron={"lr": 0.05, "momentum": 0.9, "nesterov": True},
+                         optimizer={"weight_decay": 0.1})
+    a, b = model.proj.A.detach().clone(), model.proj.B.detach().clone()
+    momentum = {"A": torch.zeros_like(a), "B": torch.zeros_like(b)}
+    vectors = [v.clone() for v in optimizer._power_vectors(factor_pairs(model)[0])]
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        grads = {"A": torch.randn(a.shape, generator=generator), "B": torch.randn(b.shape, generator=generator)}
+        model.proj.A.grad, model.proj.B.grad = grads["A"], grads["B"]
+        model.gain.grad = torch.randn(12, generator=generator)
+        optimizer.step()
+        sigmas = []
+        for i, matrix in enumerate((a, b.T)):  # one warm-started power-iteration step each
+            u = matrix @ vectors[i]
+            u = u / u.norm()
+            w = matrix.T @ u
+            sigmas.append(w.norm())
+            vectors[i] = w / w.norm()
+        rho = 0.05 / (sigmas[0] + sigmas[1] + 1)
+        directions = {}
+        for key in ("A", "B"):
+            momentum[key] = 0.9 * momentum[key] + 0.1 * grads[key]
+            directions[key] = 0.1 * grads[key] + 0.9 * momentum[key]  # Nesterov
+        a = a * (1 - 0.05 * 0.1) - rho * reference_newton_schulz(directions["A"])
+        b = b * (1 - 0.05 * 0.1) - rho * reference_newton_schulz(directions["B"].T).T
+        torch.testing.assert_close(model.proj.A.detach(), a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.proj.B.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_changes_w_by_at_most_eta_in_spectral_norm():
+    """||dW||_2 <= rho (||O_A|| sigma_B + sigma_A ||O_B||) + rho^2 ||O_A|| ||O_B||, and with the quintic's
+    ||O||_2 <= 1.25 this stays below eta (1 + 0.25): the tolerance is the overshoot of Newton-Schulz."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        layer = LowRankLinear(64, 48, 12, init_std=float(torch.rand(()) + 0.1))
+        optimizer = attached(layer, spectron={"lr": 0.1}, optimizer={"weight_decay": 0.0})
+        for _ in range(3):
+            before = layer.A.detach() @ layer.B.detach()
+            layer.A.grad, layer.B.grad = torch.randn_like(layer.A), torch.randn_like(layer.B)
+            optimizer.step()
+            change = torch.linalg.matrix_norm(layer.A.detach() @ layer.B.detach() - before, 2).item()
+            assert change <= 0.1 * 1.25, (seed, change)
+
+
+def test_newton_schulz_orthogonalises():
+    m = torch.randn(50, 8, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-1, 0.5, 8))
+    singular = torch.linalg.svdvals(newton_schulz(m, WHOLE))
+    assert singular.min() > 0.6 and singular.max() < 1.25  # the quintic's band around 1
+    u, _, vh = torch.linalg.svd(m, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(newton_schulz(m, WHOLE).flatten(), (u @ vh).flatten(), dim=0) > 0.95
+
+
+def test_balanced_factors_are_the_best_rank_r_approximation():
+    w = torch.randn(30, 20, generator=torch.Generator().manual_seed(0))
+    a, b = balanced_factors(w, 5)
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    torch.testing.assert_close(a @ b, u[:, :5] @ torch.diag(s[:5]) @ vh[:5], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.linalg.svdvals(a), s[:5].sqrt(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.linalg.svdvals(b), s[:5].sqrt(), rtol=1e-4, atol=1e-5)
+
+
+def test_lowrank_forward_never_forms_w():
+    layer = LowRankLinear(10, 7, 3, init_std=1.0)
+    x = torch.randn(4, 10)
+    torch.testing.assert_close(layer(x), x @ (layer.A @ layer.B).T)
+    assert {n for n, _ in layer.named_parameters()} == {"A", "B"}
+
+
+def test_other_parameters_get_adamw():
+    model = Pair()
+    optimizer = attached(model, optimizer={"lr": 0.01, "weight_decay": 0.1})
+    reference = nn.Parameter(model.gain.detach().clone())
+    adamw = torch.optim.AdamW([reference], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for _ in range(5):
+        grad = torch.randn(12)
+        model.gain.grad, reference.grad = grad, grad.clone()
+        model.proj.A.grad, model.proj.B.grad = torch.randn_like(model.proj.A), torch.randn_like(model.proj.B)
+        optimizer.step()
+        adamw.step()
+    torch.testing.assert_close(model.gain.detach(), reference.detach())  # norm gains: no weight decay
+
+
+def test_factory_ranks():
+    cfg = spectron_config(lowrank={"rank_ratio": 0.25})
+    factory = layer_factory(cfg)
+    assert factory.ranks == {"q_proj": 16, "k_proj": 16, "v_proj": 16, "o_proj": 16, "gate_proj": 16,
+                             "up_proj": 16, "down_proj": 44}
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"lowrank": {"rank": 64}}, "lowrank: rank 64 for q_proj (64 x 64) must be in (0, 64)"),
+    ({"lowrank": {"rank": -1}}, "lowrank.rank: -1 must be > 0"),
+    ({"lowrank": {"rank_ratio": 1.0}}, "lowrank.rank_ratio: 1.0 is outside (0, 1)"),
+    ({"model": {"layer": "dense"}}, "optimizer.name: spectron steps factorised weights, and this model has none"),
+    ({"lowrank": {"targets": []}}, "optimizer.name: spectron steps factorised weights"),
+    ({"parallel": {"tensor_parallel": 3}}, "parallel.tensor_parallel: 3 does not divide model.n_heads=4"),
+    ({"parallel": {"tensor_parallel": 0}}, "parallel.tensor_parallel: must be >= 1"),
+    ({"spectron": {"momentum": 1.0}}, "spectron.momentum: 1.0 is outside [0, 1)"),
+])
+def test_bad_lowrank_configs(raw, message):
+    with pytest.raises(ConfigError) as error:
+        layer_factory(spectron_config(**raw))
+    assert message in str(error.value)
+
+
+def test_sparse_models_are_not_tensor_parallel():
+    with pytest.raises(ConfigError, match="sparse .SMET. models run with tensor_parallel=1"):
+        config_from_dict({"model": {"layer": "sparse"}, "optimizer": {"name": "smet"},
+                          "parallel": {"tensor_parallel": 2}}).validate()
