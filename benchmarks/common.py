@@ -34,15 +34,76 @@ def run_workers(script: str, nproc: int, worker_args: dict[str, Any]) -> dict[st
 def start_trainer(overrides: list[str]):
     """Inside a worker: the distributed setup and a :class:`Trainer` for the config ``overrides``."""
     from megasparse.config import load_config
-    from megasparse.parallel.distributed import init_distributed
-    from megasparse.parallel.launch_env import discover_launch_env
-    from megasparse.train.trainer import Trainer
+    from megasparse.train.trainer import Trainer, start_processes
 
     cfg = load_config(None, overrides)
-    launch = discover_launch_env()
-    cfg.validate(launch.world_size)
-    init_distributed(launch, cfg.parallel.timeout_minutes)
-    return Trainer(cfg, launch.world_size, resume=None)
+    return Trainer(cfg, start_processes(cfg), resume=None)
+
+
+COLLECTIVES = ("reduce", "all_reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor",
+               "allgather_fn", "all_gather", "broadcast", "inference_all_reduce")
+INPUT_SECOND = ("reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor", "allgather_fn")  # (output, input)
+
+
+class CollectiveBytes:
+    """Counts the bytes of the input tensor of every collective called through deepspeed.comm, in
+    total and per process group (megasparse and DeepSpeed both communicate only through it)."""
+
+    def __init__(self) -> None:
+        import deepspeed.comm as dist
+
+        self.total = 0
+        self.by_group: dict[int, int] = {}
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._counting(getattr(dist, name), 1 if name in INPUT_SECOND else 0))
+
+    def _counting(self, function, input_position: int):
+        def wrapper(*args, **kwargs):
+            tensors = [a for a in list(args) + [v for k, v in kwargs.items() if k != "group"]
+                       if hasattr(a, "element_size")]
+            if len(tensors) > input_position:
+                size = tensors[input_position].numel() * tensors[input_position].element_size()
+                self.total += size
+                group = id(kwargs.get("group"))
+                self.by_group[group] = self.by_group.get(group, 0) + size
+            return function(*args, **kwargs)
+        return wrapper
+
+    def of(self, group) -> int:
+        return self.by_group.get(id(group), 0)
+
+
+def short_run_overrides(preset: str, data: str, seq_len: int, steps: int, micro_batch: int, global_batch: int,
+                        output_dir: Path) -> list[str]:
+    """The shared settings of the timing and counting runs: a short run with a one-step warm-up,
+    metrics every step, no evaluation and no checkpoints."""
+    return [f"model.preset={preset}", f"data.path={data}", f"data.seq_len={seq_len}", f"training.steps={steps}",
+            f"training.micro_batch_size={micro_batch}", f"training.global_batch_size={global_batch}",
+            "optimizer.warmup_steps=1", "training.eval_samples=0", "checkpoint.interval=0",
+            "checkpoint.save_final=false", f"training.output_dir={output_dir}", "logging.log_interval=1",
+            "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+def stability_overrides(a: dict[str, Any], output_dir: Path, betas: str = "[0.9, 0.999]") -> list[str]:
+    """The shared settings of the stability runs: one rank, fp32, warm-up then cosine to lr / 10,
+    six evaluations, metrics every step, no checkpoints."""
+    return [f"model.preset={a['preset']}", f"data.path={a['data']}", f"data.seq_len={a['seq_len']}",
+            f"training.steps={a['steps']}", f"training.micro_batch_size={a['batch']}",
+            f"training.global_batch_size={a['batch']}", "training.precision=fp32", f"optimizer.lr={a['lr']}",
+            f"optimizer.min_lr={a['lr'] / 10}", f"optimizer.betas={betas}", "optimizer.warmup_steps=50",
+            f"training.eval_interval={a['steps'] // 6}", "training.eval_samples=256", "checkpoint.interval=0",
+            "checkpoint.save_final=false", f"training.output_dir={output_dir}", "logging.log_interval=1",
+            "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+def run_summary(output_dir: Path) -> dict[str, Any]:
+    """Final validation loss, the validation curve and the per-step training loss of a finished run."""
+    from megasparse.train.metrics import read_metrics
+
+    evals = read_metrics(output_dir, "eval")
+    return {"final_val_loss": evals[-1]["val_loss"], "val_loss": [[r["step"], r["val_loss"]] for r in evals],
+            "train_loss": [r["loss"] for r in read_metrics(output_dir)]}
 
 
 def machine() -> dict[str, Any]:
@@ -63,6 +124,21 @@ def write_report(path: Path | None, report: dict[str, Any]) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def wikitext_dataset() -> tuple[Path, str]:
+    """WikiText-2 prepared with an 8k tokenizer (train: valid.txt, evaluate: test.txt), or the
+    embedded corpus when ../shared/data is absent; returns the dataset path and a description."""
+    from megasparse.config import DataConfig
+    from megasparse.data.prepare import prepare_data
+
+    if not (WIKITEXT / "valid.txt").exists():
+        return REPO / "data" / "stdlib", "embedded corpus (WikiText-2 not found)"
+    path = REPO / "data" / "wikitext2"
+    if not (path / "index.json").exists():
+        prepare_data(DataConfig(path=str(path), files=[str(WIKITEXT / "valid.txt")],
+                                val_files=[str(WIKITEXT / "test.txt")], vocab_size=8000))
+    return path, "WikiText-2 (train: valid.txt, eval: test.txt)"
 
 
 def benchmark_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],

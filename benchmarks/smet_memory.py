@@ -30,13 +30,11 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import REPO, benchmark_main, markdown_table, run_workers, start_trainer, write_report  # noqa: E402
+from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers, short_run_overrides,  # noqa: E402
+                    start_trainer, write_report)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BOUNDS = {"optimizer_state": (1.15, 0.02), "persistent": (1.4, 0.02), "grad_reduced": (1.05, 0.01)}
-COLLECTIVES = ("reduce", "all_reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor",
-               "allgather_fn", "broadcast", "inference_all_reduce")
-INPUT_SECOND = ("reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor", "allgather_fn")  # (output, input)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,26 +71,6 @@ def _ratios(smet: dict, dense: dict, density: float) -> dict:
     return out
 
 
-class CollectiveBytes:
-    """Counts the bytes of the input tensors passed to deepspeed.comm's collectives."""
-
-    def __init__(self) -> None:
-        import deepspeed.comm as dist
-
-        self.total = 0
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                setattr(dist, name, self._counting(getattr(dist, name), input_position=1 if name in INPUT_SECOND else 0))
-
-    def _counting(self, function, input_position: int):
-        def wrapper(*args, **kwargs):
-            tensors = [a for a in list(args) + list(kwargs.values()) if hasattr(a, "element_size")]
-            if len(tensors) > input_position:
-                self.total += tensors[input_position].numel() * tensors[input_position].element_size()
-            return function(*args, **kwargs)
-        return wrapper
-
-
 def _worker(a: dict, result: Path) -> None:
     import deepspeed.comm as dist
 
@@ -102,12 +80,8 @@ def _worker(a: dict, result: Path) -> None:
     sparse = a["density"] is not None
     method = (["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                "sparse.update_interval=2"] if sparse else [])
-    trainer = start_trainer([
-        f"model.preset={a['preset']}", f"data.path={a['data']}", f"data.seq_len={a['seq_len']}",
-        "training.steps=3", "training.micro_batch_size=2", "training.global_batch_size=4", "training.precision=fp32",
-        "parallel.zero_stage=2", "optimizer.warmup_steps=1", "training.eval_samples=0", "checkpoint.interval=0",
-        "checkpoint.save_final=false", f"training.output_dir={result.parent / 'run'}", "logging.progress_bar=false",
-        "logging.tensorboard=false", *method])
+    trainer = start_trainer(short_run_overrides(a["preset"], a["data"], a["seq_len"], 3, 2, 4, result.parent / "run")
+                            + ["training.precision=fp32", "parallel.zero_stage=2", *method])
     engine, optimizer = trainer.engine, trainer.optimizer
     counter = CollectiveBytes()
     projections = {id(p): p for name, p in engine.module.named_parameters() if name.split(".")[-2] in PROJECTIONS}

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import REPO, benchmark_main, run_workers, start_trainer, write_report  # noqa: E402
+from common import REPO, benchmark_main, run_workers, short_run_overrides, start_trainer, write_report  # noqa: E402
 
 DEFAULT_INTERVAL = 100
 
@@ -67,12 +67,8 @@ def _worker(a: dict, result: Path) -> None:
     method = (["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                f"sparse.update_interval={a['measure_interval']}"] if sparse else [])
     output_dir = result.parent / "run"
-    trainer = start_trainer([
-        f"model.preset={a['preset']}", f"data.path={a['data']}", f"data.seq_len={a['seq_len']}",
-        f"training.steps={a['steps']}", "training.micro_batch_size=4", "training.global_batch_size=8",
-        "training.precision=fp32", "parallel.zero_stage=2", "optimizer.warmup_steps=1", "training.eval_samples=0",
-        "checkpoint.interval=0", "checkpoint.save_final=false", f"training.output_dir={output_dir}",
-        "logging.log_interval=1", "logging.progress_bar=false", "logging.tensorboard=false", *method])
+    trainer = start_trainer(short_run_overrides(a["preset"], a["data"], a["seq_len"], a["steps"], 4, 8, output_dir)
+                            + ["training.precision=fp32", "parallel.zero_stage=2", *method])
     update_times: list[float] = []
     if sparse:
         update = trainer.topology.update

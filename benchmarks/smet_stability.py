@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import REPO, WIKITEXT, benchmark_main, markdown_table, run_workers, start_trainer, write_report  # noqa: E402
+from common import (benchmark_main, markdown_table, run_summary, run_workers, stability_overrides,  # noqa: E402
+                    start_trainer, wikitext_dataset, write_report)
 
 RUNS = [("dense", None, None), ("naive", 0.5, "naive"), ("smet", 0.5, "smet"), ("naive", 0.25, "naive"),
         ("smet", 0.25, "smet")]
@@ -56,7 +57,7 @@ def _run(args: argparse.Namespace) -> None:
         report = json.loads(args.from_json.read_text())
         runs, corpus, settings = report["runs"], report["corpus"], report["settings"]
     else:
-        data, corpus = _dataset()
+        data, corpus = wikitext_dataset()
         settings = {k: getattr(args, k) for k in ("preset", "steps", "interval", "zeta", "slot_warmup", "lr",
                                                   "seq_len", "batch")}
         runs = [run_workers(__file__, 1, {**settings, "data": str(data), "method": m, "density": d, "mode": mode})
@@ -76,43 +77,14 @@ def _run(args: argparse.Namespace) -> None:
         _plot(runs, updates, args.plot, corpus, settings)
 
 
-def _dataset() -> tuple[Path, str]:
-    from megasparse.config import DataConfig
-    from megasparse.data.prepare import prepare_data
-
-    if (WIKITEXT / "valid.txt").exists():
-        path = REPO / "data" / "wikitext2"
-        if not (path / "index.json").exists():
-            prepare_data(DataConfig(path=str(path), files=[str(WIKITEXT / "valid.txt")],
-                                    val_files=[str(WIKITEXT / "test.txt")], vocab_size=8000))
-        return path, "WikiText-2 (train: valid.txt, eval: test.txt)"
-    return REPO / "data" / "stdlib", "embedded corpus (WikiText-2 not found)"
-
-
 def _worker(a: dict, result: Path) -> None:
-    from megasparse.train.metrics import read_metrics
-
     method = ([] if a["density"] is None else
               ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                f"sparse.update_interval={a['interval']}", f"sparse.prune_fraction={a['zeta']}",
                f"smet.mode={a['mode']}", f"smet.slot_warmup_steps={a['slot_warmup']}"])
     output_dir = result.parent / "run"
-    trainer = start_trainer([
-        f"model.preset={a['preset']}", f"data.path={a['data']}", f"data.seq_len={a['seq_len']}",
-        f"training.steps={a['steps']}", f"training.micro_batch_size={a['batch']}",
-        f"training.global_batch_size={a['batch']}",
-        "training.precision=fp32", f"optimizer.lr={a['lr']}", f"optimizer.min_lr={a['lr'] / 10}",
-        "optimizer.betas=[0.9, 0.999]", "optimizer.warmup_steps=50", f"training.eval_interval={a['steps'] // 6}",
-        "training.eval_samples=256", "checkpoint.interval=0", "checkpoint.save_final=false",
-        f"training.output_dir={output_dir}", "logging.log_interval=1", "logging.progress_bar=false",
-        "logging.tensorboard=false", *method])
-    trainer.run()
-    evals = read_metrics(output_dir, "eval")
-    result.write_text(json.dumps({
-        "method": a["method"], "density": a["density"], "final_val_loss": evals[-1]["val_loss"],
-        "val_loss": [[r["step"], r["val_loss"]] for r in evals],
-        "train_loss": [r["loss"] for r in read_metrics(output_dir)],
-    }))
+    start_trainer(stability_overrides(a, output_dir) + method).run()
+    result.write_text(json.dumps({"method": a["method"], "density": a["density"], **run_summary(output_dir)}))
 
 
 def _spike(losses: list[float], updates: list[int], window: int, reference: list[float] | None = None) -> float:

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import REPO, benchmark_main, markdown_table, run_workers, start_trainer, write_report  # noqa: E402
+from common import (REPO, benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
+                    write_report)
 
 SETTINGS = ("steps", "warmup", "seq_len", "micro_batch", "global_batch", "zero", "precision", "data")
 
@@ -54,13 +55,9 @@ def _worker(a: dict, result: Path) -> None:
     from megasparse.train.metrics import read_metrics
 
     output_dir = result.parent / "run"
-    trainer = start_trainer([
-        f"model.preset={a['preset']}", f"data.path={a['data']}", f"data.seq_len={a['seq_len']}",
-        f"training.steps={a['steps']}", f"training.micro_batch_size={a['micro_batch']}",
-        f"training.global_batch_size={a['global_batch']}", f"training.precision={a['precision']}",
-        f"parallel.zero_stage={a['zero']}", "optimizer.warmup_steps=1", "training.eval_samples=0",
-        "checkpoint.interval=0", "checkpoint.save_final=false", f"training.output_dir={output_dir}",
-        "logging.log_interval=1", "logging.progress_bar=false", "logging.tensorboard=false"])
+    trainer = start_trainer(short_run_overrides(a["preset"], a["data"], a["seq_len"], a["steps"], a["micro_batch"],
+                                                a["global_batch"], output_dir)
+                            + [f"training.precision={a['precision']}", f"parallel.zero_stage={a['zero']}"])
     trainer.run()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     memory = torch.tensor([rss, get_accelerator().max_memory_allocated()], dtype=torch.float64,

@@ -115,3 +115,21 @@ def final_weights(checkpoint_tag: Path, tp_rank: int = 0) -> dict:
     import torch
 
     return torch.load(checkpoint_tag / f"mp_rank_{tp_rank:02d}_model_states.pt", weights_only=False)["module"]
+
+
+def assert_same_model(actual: dict, expected: dict, rel: float) -> None:
+    """Index buffers (the masks) equal exactly; each weight tensor within ``rel`` (relative norm)."""
+    import torch
+
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        if name.endswith(".index"):
+            assert torch.equal(actual[name], tensor), f"mask of {name} differs"
+        else:
+            error = (actual[name].float() - tensor.float()).norm() / tensor.float().norm()
+            assert error <= rel, f"{name}: relative error {error:.2e}"
+
+
+def checkpoint(run: Path, step: int, tp_rank: int = 0) -> dict:
+    """The module state of a run's checkpoint at ``step``."""
+    return final_weights(run / "checkpoints" / f"step_{step:08d}", tp_rank)

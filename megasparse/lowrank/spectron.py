@@ -76,7 +76,7 @@ class Spectron(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
         self.pairs: list[FactorPair] = []
-        self.spectral_norms: dict[str, tuple[float, float]] = {}
+        self.spectral_norms: dict[str, torch.Tensor] = {}  # sigma_A + sigma_B per pair at the last step
         self._directions: dict[int, torch.Tensor] = {}  # this step's momentum direction per optimizer tensor
 
     def attach(self, pairs: list[FactorPair], fragments: Callable[[nn.Parameter], list[Fragment]],
@@ -121,15 +121,15 @@ class Spectron(torch.optim.Optimizer):
         whole = TensorParallel()
         sigma_a, power[0] = power_iteration(a.detach(), power[0], pair.tp if pair.a_split else whole)
         sigma_b, power[1] = power_iteration(b.detach().T, power[1], pair.tp if pair.b_split else whole)
-        rho = lr / (sigma_a.item() + sigma_b.item() + 1.0)
-        self.spectral_norms[pair.name] = (sigma_a.item(), sigma_b.item())
+        self.spectral_norms[pair.name] = sigma_a + sigma_b
+        rho = lr / (sigma_a + sigma_b + 1.0)  # a device scalar: no host synchronisation in the step
         ortho_a = newton_schulz(self._whole(a), pair.tp if pair.a_split else whole, self.ns_steps)
         ortho_b = newton_schulz(self._whole(b).T, pair.tp if pair.b_split else whole, self.ns_steps).T
         for param, ortho in ((a, ortho_a), (b, ortho_b)):
             flat = ortho.reshape(-1)
             for f in self.fragments(param):
                 piece = f.owner.view(-1)[f.offset:f.offset + f.numel]
-                piece.mul_(1 - lr * decay).add_(flat[f.start:f.start + f.numel].to(piece.dtype), alpha=-rho)
+                piece.mul_(1 - lr * decay).sub_(flat[f.start:f.start + f.numel].to(piece.dtype) * rho)
 
     def _whole(self, param: nn.Parameter) -> torch.Tensor:
         """The momentum direction of the whole (tensor-parallel shard of the) factor ``param``."""

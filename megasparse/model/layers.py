@@ -11,7 +11,7 @@ factory from ``model.layer`` and the tensor-parallel degree, the way torchtitan 
 - ``TensorParallelLayers``: Megatron-style column/row-parallel projections (q, k, v, gate, up by
   columns; o, down by rows), a vocabulary-parallel embedding and head;
 - ``LowRankLayers``: ``LowRankLinear`` (W = A B) for the low-rank targets, split over the
-  tensor-parallel group the same way, with the vocabulary-parallel embedding and head.
+  tensor-parallel group the same way, everything else as above.
 
 Every factory draws each weight from the global RNG in the same order and shape, so for one
 seed all of them start from the same dense model (sparse masks it, low-rank factorises it,
@@ -113,16 +113,17 @@ class TensorParallelLayers:
         return VocabParallelHead(dim, vocab_size, self.tp, init_std)
 
 
-class LowRankLayers(TensorParallelLayers):
-    """``LowRankLinear`` of the given rank for each role in ``ranks``; the rest as ``TensorParallelLayers``."""
+class LowRankLayers:
+    """``LowRankLinear`` of the given rank for each role in ``ranks``; everything else from ``base``
+    (``DenseLayers`` on one tensor-parallel rank, ``TensorParallelLayers`` on several)."""
 
-    def __init__(self, tp: TensorParallel, ranks: dict[str, int]) -> None:
-        super().__init__(tp)
-        self.ranks = ranks
+    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, ranks: dict[str, int]) -> None:
+        self.base, self.tp, self.ranks = base, tp, ranks
+        self.embedding, self.head = base.embedding, base.head
 
     def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
         if role not in self.ranks:
-            return super().projection(in_features, out_features, role, init_std)
+            return self.base.projection(in_features, out_features, role, init_std)
         parallel = None if self.tp.size == 1 else "column" if role in COLUMN_ROLES else "row"
         return LowRankLinear(in_features, out_features, self.ranks[role], init_std, self.tp, parallel)
 
@@ -166,6 +167,5 @@ def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel()) -> LayerFa
         shapes, counts = projection_shapes(cfg.model)
         targets = {role: shapes[role] for role in cfg.sparse.targets}
         return SparseLayers(layer_densities(targets, counts, cfg.sparse))
-    if cfg.model.layer == "lowrank":
-        return LowRankLayers(tp, low_ranks(cfg))
-    return TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
+    base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
+    return LowRankLayers(base, tp, low_ranks(cfg)) if cfg.model.layer == "lowrank" else base

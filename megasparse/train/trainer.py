@@ -235,8 +235,8 @@ class Trainer:
         norms = getattr(self.optimizer, "spectral_norms", None)
         if not norms:
             return {}
-        sums = [a + b for a, b in norms.values()]
-        return {"spectral_norm_max": max(sums), "spectral_norm_mean": sum(sums) / len(sums)}
+        sums = torch.stack(list(norms.values()))
+        return {"spectral_norm_max": sums.max().item(), "spectral_norm_mean": sums.mean().item()}
 
     def _save(self) -> None:
         t = self.cfg.training

@@ -1,0 +1,107 @@
+"""Tensor-parallel traffic: bytes all-reduced per step, low-rank against dense layers, counted.
+
+    python benchmarks/tp_traffic.py --preset llama-60m --out benchmarks/results/tp_traffic.json
+
+On 2 tensor-parallel ranks, every tensor handed to a deepspeed.comm collective on the
+tensor-parallel group is counted (per rank, input bytes). Per layer: each projection shape of
+the preset, dense (column- or row-parallel linear) and low-rank (rank 0.25 x in_features),
+through one forward and backward pass over ``--tokens`` tokens. Per model: one training step
+(the same global batch of ``--tokens`` tokens) of the whole dense and low-rank model, which adds
+the vocabulary-parallel embedding and loss.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers, short_run_overrides,  # noqa: E402
+                    start_trainer, write_report)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="llama-60m")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (sequences of 256)")
+    parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+
+
+def _run(args: argparse.Namespace) -> None:
+    settings = {"preset": args.preset, "tokens": args.tokens, "data": args.data}
+    layers = run_workers(__file__, 2, {**settings, "what": "layers"})
+    models = {kind: run_workers(__file__, 2, {**settings, "what": "model", "kind": kind}) for kind in ("dense", "lowrank")}
+    print(_table(layers, models))
+    write_report(args.out, {"settings": {**settings, "tensor_parallel": 2}, "layers": layers, "models": models})
+
+
+def _worker(a: dict, result: Path) -> None:
+    import deepspeed.comm as dist
+
+    if a["what"] == "model":
+        sequences = a["tokens"] // 256
+        trainer = start_trainer(
+            short_run_overrides(a["preset"], a["data"], 256, 1, sequences, sequences, result.parent / "run")
+            + ["parallel.tensor_parallel=2",
+               *(["model.layer=lowrank", "optimizer.name=spectron"] if a["kind"] == "lowrank" else [])])
+        counter = CollectiveBytes()
+        trainer.run()
+        out = {"bytes_per_step": counter.of(trainer.parallel.tensor_parallel_group),
+               "parameters_per_rank": trainer.num_parameters}
+    else:
+        out = _layer_traffic(a)
+    if dist.get_rank() == 0:
+        result.write_text(json.dumps(out))
+
+
+def _layer_traffic(a: dict) -> list[dict]:
+    import deepspeed.comm as dist
+    import torch
+
+    from megasparse.config import load_config
+    from megasparse.lowrank.layers import LowRankLinear
+    from megasparse.model.layers import COLUMN_ROLES, projection_shapes
+    from megasparse.parallel.groups import create_groups
+    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megasparse.parallel.launch_env import discover_launch_env
+    from megasparse.parallel.distributed import init_distributed
+    from megasparse.parallel.mappings import TensorParallel
+
+    init_distributed(discover_launch_env(), 30.0)
+    state = create_groups(2)
+    tp = TensorParallel(state.tensor_parallel_group, 2, state.tensor_parallel_rank)
+    shapes, _ = projection_shapes(load_config(None, [f"model.preset={a['preset']}"]).model)
+    rows, counter = [], CollectiveBytes()
+    for role, (in_features, out_features) in shapes.items():
+        column = role in COLUMN_ROLES
+        rank = round(0.25 * in_features)
+        layers = {
+            "dense": (ColumnParallelLinear if column else RowParallelLinear)(in_features, out_features, tp, 0.02),
+            "lowrank": LowRankLinear(in_features, out_features, rank, 0.02, tp, "column" if column else "row"),
+        }
+        row = {"role": role, "shape": [out_features, in_features], "split": "column" if column else "row",
+               "rank": rank}
+        for kind, layer in layers.items():
+            width = in_features if column else in_features // 2
+            x = torch.randn(a["tokens"], width, requires_grad=True)
+            before = counter.of(tp.group)
+            layer(x).sum().backward()
+            row[f"{kind}_bytes"] = counter.of(tp.group) - before
+        rows.append(row)
+    dist.barrier()
+    return rows
+
+
+def _table(layers: list[dict], models: dict) -> str:
+    rows = [[r["role"], f"{r['shape'][0]} x {r['shape'][1]}", r["split"], str(r["rank"]),
+             f"{r['dense_bytes'] / 1e6:.2f}", f"{r['lowrank_bytes'] / 1e6:.2f}",
+             f"{r['lowrank_bytes'] / r['dense_bytes']:.3f}"] for r in layers]
+    rows.append(["whole model, one step", "", "", "", f"{models['dense']['bytes_per_step'] / 1e6:.2f}",
+                 f"{models['lowrank']['bytes_per_step'] / 1e6:.2f}",
+                 f"{models['lowrank']['bytes_per_step'] / models['dense']['bytes_per_step']:.3f}"])
+    return markdown_table(["layer", "W (out x in)", "split", "rank", "dense TP (MB/step/rank)",
+                           "low-rank TP (MB/step/rank)", "low-rank / dense"], "llllrrr", rows)
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, _arguments, _run, _worker)
