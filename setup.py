@@ -14,7 +14,7 @@ setup(
     # The run configs live at the top level (configs/) and ship inside the package, so that
     # `megasparse train NAME` finds them after a plain (non-editable) install too.
     package_dir={"megasparse.configs": "configs"},
-    package_data={"megasparse.configs": ["*.yaml"]},
+    package_data={"megasparse.configs": ["*.yaml"], "megasparse.launch": ["*.sbatch"]},
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.16",

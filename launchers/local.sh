@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Train on this machine with several processes: launchers/local.sh NPROC CONFIG [train options...]
+# Train on this machine with several processes (torchrun, standalone rendezvous on a free port):
+#   launchers/local.sh NPROC CONFIG [--set SECTION.KEY=VALUE ...] [--resume auto]
 #   launchers/local.sh 2 quickstart --set training.steps=100
-# torchrun's standalone mode picks a free rendezvous port, so several jobs can share a host.
+# Several nodes without a scheduler: megasparse launch local CONFIG --nproc G --nnodes N
+#   --node-rank K --master-addr NODE0 --master-port PORT, once on each node.
 set -euo pipefail
 if [ $# -lt 2 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
     echo "usage: $0 NPROC CONFIG [megasparse train options...]" >&2
     exit 2
 fi
-nproc=$1
-shift
-exec torchrun --standalone --nproc_per_node "$nproc" -m megasparse train "$@"
+nproc=$1 config=$2
+shift 2
+exec megasparse launch local "$config" --nproc "$nproc" "$@"

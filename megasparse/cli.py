@@ -1,4 +1,4 @@
-"""The ``megasparse`` command: ``config``, ``prepare-data`` and ``train``."""
+"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train`` and ``launch``."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import yaml
 
 from megasparse.config import Config, load_config
 from megasparse.errors import UserError
+from megasparse.launch.cli import add_launch_commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="auto|PATH",
                      help="'auto': newest complete checkpoint in the checkpoint directory; or a checkpoint path")
     run.set_defaults(run=_train)
+
+    add_launch_commands(commands)
     return parser
 
 

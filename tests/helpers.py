@@ -77,7 +77,7 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
                cwd: Path | None = None) -> Result:
     """Run ``megasparse ARGS`` in ``nproc`` processes started by ``launcher``:
     ``env`` (one process per rank with the torch.distributed variables, as torchrun does),
-    ``torchrun``, ``deepspeed`` or ``mpiexec``."""
+    ``torchrun``, ``deepspeed``, ``mpiexec``, or ``none`` (one plain process: for ``megasparse launch``)."""
     base_env = {**os.environ, **(env or {})}
     port = str(free_port())
     module = [sys.executable, "-m", "megasparse", *args]
@@ -98,6 +98,7 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
         "deepspeed": [str(bindir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
                       "--module", "megasparse", *args],
         "mpiexec": [str(bindir / "mpiexec"), "-n", str(nproc), *module],
+        "none": module,
     }
     proc = subprocess.run(commands[launcher], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
                           env=base_env)

@@ -1,8 +1,11 @@
 """Rank discovery from each launcher's environment."""
+import shutil
+
 import pytest
 
 from megasparse.errors import UserError
-from megasparse.parallel.launch_env import discover_launch_env
+from megasparse.launch.commands import check_allocation, hostfile_text, parse_hosts, read_hostfile
+from megasparse.parallel.launch_env import discover_launch_env, tasks_on_node
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "node-a", "MASTER_PORT": "29400"}
@@ -36,11 +39,69 @@ def test_no_launcher_is_one_process_on_loopback():
     assert env.master_port > 0
 
 
+SRUN = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "gpu-a17"}
+
+
+def test_srun_ranks_and_a_port_from_the_job_id():
+    env = discover_launch_env(SRUN)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 5, 8, 1, 2)
+    assert (env.master_addr, env.master_port) == ("gpu-a17", 20000 + 123456 % 40000)
+
+
+def test_srun_rendezvous_is_the_first_host_of_the_step(tmp_path, monkeypatch):
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol (Slurm) is not installed")
+    conf = tmp_path / "slurm.conf"  # scontrol wants a configuration even to expand a host list
+    conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost\nPartitionName=p Nodes=localhost\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    env = discover_launch_env({**{k: v for k, v in SRUN.items() if k != "MASTER_ADDR"},
+                               "SLURM_STEP_NODELIST": "gpu-a[17-20]"})
+    assert env.master_addr == "gpu-a17"
+
+
+def test_a_batch_script_without_srun_is_one_process():
+    env = discover_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"})
+    assert (env.launcher, env.world_size) == ("single", 1)
+
+
+def test_mpi_wins_over_the_slurm_step_it_runs_in():
+    env = discover_launch_env({**SRUN, "PMI_RANK": "3", "PMI_SIZE": "4"})
+    assert (env.launcher, env.rank, env.world_size) == ("mpich", 3, 4)
+
+
+@pytest.mark.parametrize("spec,node,count", [("2", 0, 2), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("4,8", 1, 8)])
+def test_slurm_tasks_per_node(spec, node, count):
+    assert tasks_on_node(spec, node) == count
+
+
+def test_hosts_and_hostfiles(tmp_path):
+    hosts = parse_hosts("node0:8, node1:4")
+    assert hosts == [("node0", 8), ("node1", 4)]
+    path = tmp_path / "hostfile"
+    path.write_text("# two nodes\n" + hostfile_text(hosts))
+    assert read_hostfile(path) == hosts
+    path.write_text("node0 slots=eight\n")
+    with pytest.raises(UserError, match="line 1: 'node0 slots=eight' is not 'HOST slots=N'"):
+        read_hostfile(path)
+
+
+def test_requests_beyond_the_allocation_are_refused():
+    allocation = {"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4"}
+    check_allocation(2, 4, allocation)
+    with pytest.raises(UserError, match="3 node\\(s\\) asked for, but the Slurm allocation 9 has 2"):
+        check_allocation(3, 4, allocation)
+    with pytest.raises(UserError, match="--ntasks-per-node=4"):
+        check_allocation(1, 8, allocation)
+
+
 @pytest.mark.parametrize("env,message", [
     ({"RANK": "0"}, "incomplete launcher environment: RANK/WORLD_SIZE set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT missing"),
     ({**TORCHRUN, "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
     ({**TORCHRUN, "RANK": "8"}, "rank 8 is outside world size 8"),
     ({"PMI_RANK": "0"}, "PMI_SIZE is not set"),
+    ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, "SLURM_NODEID=2 is outside"),
+    ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "two"}, "cannot read SLURM_STEP_TASKS_PER_NODE"),
 ])
 def test_broken_environments_are_named(env, message):
     with pytest.raises(UserError, match=message):

@@ -7,12 +7,22 @@
   loopback address when every rank is on this host, and rank 0's address (sent over MPI with
   mpi4py) when the job spans hosts. DeepSpeed's own MPI discovery uses the first address of
   ``hostname -I`` even on one host, which is not always reachable; this avoids that.
+- ``srun`` (one process per rank in a Slurm job step): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+  ``SLURM_LOCALID`` and ``SLURM_STEP_TASKS_PER_NODE``. The rendezvous address is ``MASTER_ADDR``
+  when set, otherwise the step's first host (``scontrol show hostnames``), where task 0 runs;
+  the port is ``MASTER_PORT`` or one derived from the job id, so jobs sharing a node differ.
+  A batch script itself (no ``SLURM_STEP_*``) is one process, like no launcher at all.
 - Nothing: a single process, rendezvous on loopback.
+
+MPI variables win over Slurm's (``mpirun`` inside an allocation starts its daemons with
+``srun``), torch.distributed variables over both (``torchrun`` started by ``srun``).
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,7 +39,7 @@ _MPI_VARS = {
 
 @dataclass(frozen=True)
 class LaunchEnv:
-    launcher: str  # "single", "env" (torchrun, deepspeed, ...), "openmpi" or "mpich"
+    launcher: str  # "single", "env" (torchrun, deepspeed, ...), "openmpi", "mpich" or "slurm"
     rank: int
     world_size: int
     local_rank: int
@@ -61,6 +71,12 @@ def discover_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             addr = env.get("MASTER_ADDR") or ("127.0.0.1" if local_world == world else _rank0_address())
             return _checked(LaunchEnv(launcher, rank, world, _int(env, local_var, rank), local_world, addr,
                                       _int(env, "MASTER_PORT", DEFAULT_PORT)))
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return _checked(LaunchEnv(
+            "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_LOCALID", 0),
+            tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", "1"), _int(env, "SLURM_NODEID", 0)),
+            env.get("MASTER_ADDR") or slurm_hostnames(env.get("SLURM_STEP_NODELIST", "localhost"))[0],
+            _int(env, "MASTER_PORT", slurm_port(_int(env, "SLURM_JOB_ID", 0)))))
     port = _int(env, "MASTER_PORT", 0) or free_port()
     return LaunchEnv("single", 0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
 
@@ -83,6 +99,35 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         return int(env[name])
     except ValueError:
         raise UserError(f"launcher environment: {name}={env[name]!r} is not an integer") from None
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """The task count of node ``node`` from Slurm's compressed list, e.g. ``"2(x3),1"``: 2, 2, 2, 1."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not match:
+            raise UserError(f"launcher environment: cannot read SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(match[1])] * int(match[2] or 1)
+    if not 0 <= node < len(counts):
+        raise UserError(f"launcher environment: SLURM_NODEID={node} is outside SLURM_STEP_TASKS_PER_NODE="
+                        f"{tasks_per_node!r}")
+    return counts[node]
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """The host names of a Slurm node list (``node[01-03],gpu7``), expanded by ``scontrol show hostnames``."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise UserError(f"cannot expand the Slurm node list {nodelist!r} with scontrol ({exc}); "
+                        "set MASTER_ADDR to the first node's address") from None
+    return out.stdout.split()
+
+
+def slurm_port(job_id: int) -> int:
+    """A rendezvous port for a Slurm job: 20000-59999, from its id, so concurrent jobs on one node differ."""
+    return 20000 + job_id % 40000
 
 
 def free_port() -> int:

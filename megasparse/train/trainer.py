@@ -35,11 +35,12 @@ from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, complete_checkpoints, load_checkpoint,
-                                         resolve_resume, rng_state, save_checkpoint, set_rng_state)
+                                         resolve_resume, rng_state, save_checkpoint, set_rng_state, tag_for)
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.metrics import MetricsLogger
 from megasparse.train.optim import build_optimizer
 from megasparse.train.partitions import optimizer_fragments
+from megasparse.train.preemption import StopRequests, clear_marker, write_marker
 from megasparse.train.schedule import LearningRateSchedule
 
 
@@ -122,6 +123,7 @@ class Trainer:
         self.loader = PretrainingBatches(train_windows, t.global_batch_size, t.micro_batch_size,
                                          self.dp_rank, self.dp_size, t.seed)
         self.step = self._load(self.resume_from) if self.resume_from else 0
+        self.saved_step = self.step if self.resume_from else None
         self.metrics = MetricsLogger(Path(t.output_dir), is_main_process(), self.step, t.steps,
                                      cfg.logging.progress_bar, cfg.logging.tensorboard)
 
@@ -149,10 +151,20 @@ class Trainer:
         return meta.step
 
     def run(self) -> None:
+        """Train to ``training.steps``, or until a stop signal (see preemption.py) ends the run early."""
+        stop = StopRequests(self.device)
+        stop.install()
+        try:
+            self._run(stop)
+        finally:
+            stop.uninstall()
+
+    def _run(self, stop: StopRequests) -> None:
         t, cfg = self.cfg.training, self.cfg
         if is_main_process():
             out = Path(t.output_dir)
             out.mkdir(parents=True, exist_ok=True)
+            clear_marker(out)
             (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             (out / "deepspeed.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
             _log(f"model: {self.num_parameters:,} parameters per tensor-parallel rank, vocabulary "
@@ -190,13 +202,26 @@ class Trainer:
                 self.metrics.log("train", self.step, **values)
                 window_loss.zero_()
                 window_steps, window_start = 0, time.perf_counter()
-            if self._due(t.eval_interval, t.eval_samples > 0):
+            if t.eval_samples > 0 and self._due(t.eval_interval, at_end=True):
                 self._evaluate()
                 window_start = time.perf_counter()
             if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final):
                 self._save()
                 window_start = time.perf_counter()
+            if self.step < t.steps and stop.agreed():
+                self._stop_early(stop)
+                break
         self.metrics.close()
+
+    def _stop_early(self, stop: StopRequests) -> None:
+        """Save (unless this step just did) and leave the marker a job script requeues on."""
+        if self.saved_step != self.step:
+            self._save()
+        tag_dir = self.cfg.checkpoint_dir / tag_for(self.step)
+        name = stop.received.name if stop.received else "another rank's stop signal"
+        if is_main_process():
+            write_marker(Path(self.cfg.training.output_dir), self.step, name, tag_dir)
+        _log(f"stopped by {name} after step {self.step}; saved {tag_dir}; continue with --resume auto")
 
     def _due(self, interval: int, at_end: bool) -> bool:
         return (interval > 0 and self.step % interval == 0) or (at_end and self.step == self.cfg.training.steps)
@@ -240,6 +265,7 @@ class Trainer:
 
     def _save(self) -> None:
         t = self.cfg.training
+        self.saved_step = self.step
         meta = CheckpointMeta(
             step=self.step, consumed_samples=self.loader.consumed_samples,
             tokens=self.step * t.global_batch_size * self.cfg.data.seq_len, config=self.cfg.to_dict(),

@@ -1,0 +1,63 @@
+"""Stopping cleanly when the scheduler asks: SIGTERM or SIGUSR1 -> checkpoint at the next step boundary.
+
+Slurm sends SIGUSR1 a chosen time before a job's limit (``--signal=USR1@SECONDS``) and SIGTERM when
+it ends or preempts the job, then SIGKILL after ``KillWait``. The handler only records the
+signal. After every optimizer step all ranks agree by one all-reduce (max) of a flag, so every
+rank stops after the same step even when only some of them were signalled; the trainer then saves a
+checkpoint (unless it just did), writes ``interrupted.json`` into its output directory and returns,
+and the process exits 0. A job script that finds the marker requeues itself and resumes with
+``--resume auto``; the next run removes the marker. A second SIGTERM ends the process at once,
+without touching the checkpoints already written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import deepspeed.comm as dist
+import torch
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+MARKER = "interrupted.json"
+
+
+class StopRequests:
+    """Records stop signals from ``install()`` until ``uninstall()``; ``agreed()`` asks all ranks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.received: signal.Signals | None = None
+        self._flag = torch.zeros((), device=device)
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
+            self._previous = {s: signal.signal(s, self._record) for s in STOP_SIGNALS}
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _record(self, signum: int, frame) -> None:
+        if self.received is not None and signum == signal.SIGTERM:  # asked twice: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.received = signal.Signals(signum)
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank has received a stop signal (a collective: call on all ranks)."""
+        self._flag.fill_(0.0 if self.received is None else 1.0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        return bool(self._flag.item())
+
+
+def write_marker(output_dir: Path, step: int, signal_name: str, checkpoint: Path) -> None:
+    (output_dir / MARKER).write_text(json.dumps({"step": step, "signal": signal_name,
+                                                 "checkpoint": str(checkpoint)}) + "\n")
+
+
+def clear_marker(output_dir: Path) -> None:
+    (output_dir / MARKER).unlink(missing_ok=True)

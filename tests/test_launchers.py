@@ -1,0 +1,161 @@
+"""``megasparse launch``, run for real: torchrun on one and on two "nodes", mpiexec, the DeepSpeed
+launcher, and sbatch on a real one-node Slurm cluster with preemption by SIGUSR1 and requeueing."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import TIMEOUT_S, assert_same_model, checkpoint, megasparse, tiny_config, train_losses, write_config
+from megasparse.parallel.launch_env import free_port
+from slurm_cluster import SlurmCluster, missing_programs
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same intra-op threads in every launcher: comparable results
+
+
+def _config(dataset: Path, tmp_path: Path, name: str = "out", **training) -> Path:
+    cfg = tiny_config(dataset, tmp_path / name, parallel={"zero_stage": 1},
+                      training={"micro_batch_size": 4, **training})
+    return write_config(tmp_path / f"{name}.yaml", cfg)
+
+
+def _assert_matches(run: Path, reference: Path, steps: int = 8) -> None:
+    assert train_losses(run) == pytest.approx(train_losses(reference), rel=1e-5)
+    assert_same_model(checkpoint(run, steps), checkpoint(reference, steps), rel=1e-5)
+
+
+@pytest.mark.parametrize("launch", [
+    ["local", "--nproc", "2"],
+    ["mpi", "-n", "2"],
+    ["deepspeed", "--num-gpus", "2"],
+])
+def test_launcher_matches_two_process_run(runs, dataset, tmp_path, launch):
+    config = _config(dataset, tmp_path)
+    result = megasparse("launch", launch[0], str(config), *launch[1:], launcher="none", env=ONE_THREAD).check()
+    assert "megasparse train" in result.stdout  # the command it ran is printed first
+    _assert_matches(tmp_path / "out", runs(1, 2, 1))
+
+
+def test_two_nodes_on_loopback_match_one_node(runs, dataset, tmp_path):
+    config, port = _config(dataset, tmp_path), str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "megasparse", "launch", "local", str(config), "--nproc", "1",
+                               "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                               "--master-port", port], env={**os.environ, **ONE_THREAD},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    _assert_matches(tmp_path / "out", runs(1, 2, 1))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["local", "CONFIG", "--nproc", "3"], "global_batch_size"),
+    (["local", "CONFIG", "--nproc", "2", "--set", "parallel.tensor_parallel=4"], "does not divide the 2 processes"),
+    (["local", "CONFIG", "--nproc", "1", "--nnodes", "2"], "needs --master-port"),
+    (["local", "missing.yaml", "--nproc", "1"], "missing.yaml"),
+    (["mpi", "CONFIG", "-n", "2", "--hosts", "a:1,b:2"], "3 slots for -n 2"),
+    (["mpi", "CONFIG", "-n", "2", "--hosts", "a"], "is not HOST:SLOTS"),
+    (["deepspeed", "CONFIG", "--hostfile", "no-such-hostfile"], "does not exist"),
+    (["deepspeed", "CONFIG", "--hosts", "a:2", "--node-rank", "1"], "outside the 1 host"),
+    (["slurm", "CONFIG", "--nodes", "1", "--procs-per-node", "3"], "global_batch_size"),
+])
+def test_bad_launches_are_refused_before_starting(dataset, tmp_path, args, message):
+    config = _config(dataset, tmp_path)
+    args = [str(config) if a == "CONFIG" else a for a in args]
+    result = megasparse("launch", *args, launcher="none", cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.error_lines()) == 1 and message in result.error_lines()[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_inside_a_smaller_allocation_is_refused(dataset, tmp_path):
+    result = megasparse("launch", "local", str(_config(dataset, tmp_path)), "--nproc", "2", launcher="none",
+                        env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "1"})
+    assert result.returncode == 2 and "--ntasks-per-node=1" in result.error_lines()[0]
+
+
+def test_slurm_dry_run_renders_and_writes_nothing(dataset, tmp_path):
+    config = _config(dataset, tmp_path)
+    result = megasparse("launch", "slurm", str(config), "--nodes", "2", "--procs-per-node", "4",
+                        "--set", "training.global_batch_size=64", "--time", "01:00:00", "--partition", "gpu",
+                        "--account", "proj", "--gpus-per-node", "4", "--signal-seconds", "120", "--dry-run",
+                        launcher="none").check()
+    script = result.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --time=01:00:00",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue", "--resume auto", "scontrol requeue"):
+        assert line in script, line
+    assert "{{" not in script
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- a real Slurm cluster
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = missing_programs()
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} not found; apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("the test Slurm cluster runs its daemons as root (SlurmUser=root)")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _submit(slurm: SlurmCluster, config: Path) -> int:
+    result = megasparse("launch", "slurm", str(config), "--nodes", "1", "--procs-per-node", "2",
+                        "--time", "00:20:00", "--signal-seconds", "60", launcher="none",
+                        env={**ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"]}).check()
+    return int(re.search(r"submitted job (\d+)", result.stdout)[1])
+
+
+def test_slurm_job_trains_on_both_ranks(slurm, runs, dataset, tmp_path):
+    job = _submit(slurm, _config(dataset, tmp_path))
+    info = slurm.wait_finished(job)
+    logs = tmp_path / "out" / "logs"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (logs / f"megasparse-{job}.out").read_text()
+    rank_logs = sorted(p.name for p in logs.glob(f"megasparse-{job}-rank*.log"))
+    assert rank_logs == [f"megasparse-{job}-rank0.log", f"megasparse-{job}-rank1.log"]
+    assert "1 tensor-parallel x 2 data-parallel" in (logs / rank_logs[0]).read_text()
+    shards = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "step_00000008").glob("zero_pp_rank_*"))
+    assert len(shards) == 2  # each rank wrote its ZeRO-1 partition
+    _assert_matches(tmp_path / "out", runs(1, 2, 1))
+
+
+def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tmp_path):
+    """SIGUSR1 to a running job (as --signal=USR1@60 sends before the time limit): checkpoint at the
+    next step, requeue, resume; the final weights equal an uninterrupted job's."""
+    steps = {"steps": 120, "eval_samples": 0}
+    plain = _submit(slurm, _config(dataset, tmp_path, "plain", **steps))
+    preempted = _submit(slurm, _config(dataset, tmp_path, "preempted", **steps))
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline and slurm.job(preempted)["JobState"] in ("PENDING", "RUNNING")
+        time.sleep(0.2)
+    slurm.command("scancel", "--signal=USR1", str(preempted)).check_returncode()
+    info = slurm.wait(preempted, lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
+    slurm.command("scontrol", "update", f"JobId={preempted}", "StartTime=now")  # skip Slurm's requeue delay
+    info = slurm.wait_finished(preempted)
+    batch_log = (tmp_path / "preempted" / "logs" / f"megasparse-{preempted}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", batch_log
+    assert "requeueing job" in batch_log and "restart 1" in batch_log
+    stopped = re.search(r"stopped early: (\{.*\})", batch_log)
+    interrupted_at = json.loads(stopped[1])["step"]
+    assert 0 < interrupted_at < 120 and json.loads(stopped[1])["signal"] == "SIGUSR1"
+    assert not (tmp_path / "preempted" / "interrupted.json").exists()
+    assert slurm.wait_finished(plain)["JobState"] == "COMPLETED"
+    final = {name: checkpoint(tmp_path / name, 120) for name in ("plain", "preempted")}
+    assert final["plain"].keys() == final["preempted"].keys()
+    for name, tensor in final["plain"].items():
+        assert tensor.equal(final["preempted"][name]), name
+    assert train_losses(tmp_path / "preempted") == train_losses(tmp_path / "plain")
