@@ -151,7 +151,10 @@ def benchmark_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], 
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        from megasparse.parallel.distributed import shutdown_distributed
+
         worker(json.loads(args.worker[0].read_text()), args.worker[1])
+        shutdown_distributed()
     else:
         run(args)
 

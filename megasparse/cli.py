@@ -88,7 +88,9 @@ def _prepare_data(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> None:
     import deepspeed
 
+    from megasparse.parallel.distributed import shutdown_distributed
     from megasparse.train.trainer import train
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     train(load_config(args.config, args.overrides), resume=args.resume)
+    shutdown_distributed()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
+from megasparse.parallel.distributed import shutdown_distributed
 from megasparse.parallel.groups import create_groups
 from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from megasparse.parallel.mappings import TensorParallel
@@ -129,6 +130,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as handle:
             json.dump(results, handle)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

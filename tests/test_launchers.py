@@ -1,5 +1,5 @@
-"""``megasparse launch``, run for real: torchrun on one and on two "nodes", mpiexec, the DeepSpeed
-launcher, and sbatch on a real one-node Slurm cluster with preemption by SIGUSR1 and requeueing."""
+"""``megasparse launch``, run for real: torchrun and the DeepSpeed launcher on one and on two "nodes",
+mpiexec, and sbatch on a real one-node Slurm cluster with preemption by SIGUSR1 and requeueing."""
 from __future__ import annotations
 
 import json
@@ -42,12 +42,16 @@ def test_launcher_matches_two_process_run(runs, dataset, tmp_path, launch):
     _assert_matches(tmp_path / "out", runs(1, 2, 1))
 
 
-def test_two_nodes_on_loopback_match_one_node(runs, dataset, tmp_path):
+@pytest.mark.parametrize("launch", [
+    ["local", "--nproc", "1", "--nnodes", "2"],  # torchrun, static rendezvous by node rank
+    ["deepspeed", "--hosts", "localhost:1,127.0.0.1:1"],  # DeepSpeed without ssh, once per node
+])
+def test_two_nodes_on_loopback_match_one_node(runs, dataset, tmp_path, launch):
     config, port = _config(dataset, tmp_path), str(free_port())
-    nodes = [subprocess.Popen([sys.executable, "-m", "megasparse", "launch", "local", str(config), "--nproc", "1",
-                               "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                               "--master-port", port], env={**os.environ, **ONE_THREAD},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "megasparse", "launch", launch[0], str(config), *launch[1:],
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port],
+                              env={**os.environ, **ONE_THREAD}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     _assert_matches(tmp_path / "out", runs(1, 2, 1))
@@ -144,7 +148,9 @@ def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tm
         time.sleep(0.2)
     slurm.command("scancel", "--signal=USR1", str(preempted)).check_returncode()
     info = slurm.wait(preempted, lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
-    slurm.command("scontrol", "update", f"JobId={preempted}", "StartTime=now")  # skip Slurm's requeue delay
+    # Slurm holds a requeued job for a while; 5 s are enough for slurmd to accept its new credential
+    # (a restart in the same second as the revocation of the old one is refused).
+    slurm.command("scontrol", "update", f"JobId={preempted}", "StartTime=now+5").check_returncode()
     info = slurm.wait_finished(preempted)
     batch_log = (tmp_path / "preempted" / "logs" / f"megasparse-{preempted}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", batch_log

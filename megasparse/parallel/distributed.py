@@ -28,6 +28,13 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
                                timeout=timedelta(minutes=timeout_minutes), verbose=False)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group after the last collective: a process that exits with a live gloo or
+    NCCL group can abort in the group's destructor (``terminate called without an active exception``)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def gradient_norm(parameters, parallel) -> float:
     """||g||_2 over the whole model: shards of tensor-parallel parameters summed over the tensor-parallel
     group, replicated parameters counted once (DeepSpeed's rule: ``tensor_model_parallel`` marks shards)."""
