@@ -98,6 +98,16 @@ def test_slurm_dry_run_renders_and_writes_nothing(dataset, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_slurm_launch_refuses_a_run_with_checkpoints_unless_resumed(runs, dataset, tmp_path):
+    trained = runs(1, 2, 1)
+    config = write_config(tmp_path / "run.yaml", tiny_config(dataset, trained, parallel={"zero_stage": 1},
+                                                             training={"micro_batch_size": 4}))
+    args = ["launch", "slurm", str(config), "--nodes", "1", "--procs-per-node", "2", "--dry-run"]
+    refused = megasparse(*args, launcher="none")
+    assert refused.returncode == 2 and "already holds checkpoints" in refused.error_lines()[0]
+    assert "--resume auto" in megasparse(*args, "--resume", "auto", launcher="none").check().stdout
+
+
 # ---------------------------------------------------------------- a real Slurm cluster
 
 @pytest.fixture(scope="module")
@@ -133,6 +143,15 @@ def test_slurm_job_trains_on_both_ranks(slurm, runs, dataset, tmp_path):
     shards = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "step_00000008").glob("zero_pp_rank_*"))
     assert len(shards) == 2  # each rank wrote its ZeRO-1 partition
     _assert_matches(tmp_path / "out", runs(1, 2, 1))
+
+
+def test_slurm_names_why_sbatch_refused(slurm, dataset, tmp_path):
+    result = megasparse("launch", "slurm", str(_config(dataset, tmp_path)), "--nodes", "1", "--procs-per-node", "2",
+                        "--partition", "no-such-partition", launcher="none",
+                        env={"SLURM_CONF": slurm.env["SLURM_CONF"]})
+    assert result.returncode == 2
+    assert result.error_lines()[0].startswith("megasparse: error: sbatch refused the job:"), result.stderr
+    assert "partition" in result.error_lines()[0].lower()
 
 
 def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tmp_path):

@@ -145,7 +145,10 @@ def _mpi(args: argparse.Namespace) -> None:
     hosts = cmd.parse_hosts(args.hosts) if args.hosts else None
     if hosts and sum(slots for _, slots in hosts) != args.nproc:
         raise UserError(f"--hosts has {sum(slots for _, slots in hosts)} slots for -n {args.nproc} processes")
-    cmd.check_allocation(len(hosts or [None]), max(slots for _, slots in hosts) if hosts else args.nproc)
+    if hosts:
+        cmd.check_allocation(len(hosts), max(slots for _, slots in hosts))
+    else:
+        cmd.check_allocation(1, args.nproc)
     cmd.checked_config(args.config, args.overrides, args.nproc)
     _start(cmd.mpi_command(_train(args), args.nproc, hosts, args.mpiexec), args.dry_run)
 

@@ -54,5 +54,6 @@ def submit(script: Path) -> int:
     except FileNotFoundError:
         raise UserError("sbatch not found: run this on a Slurm login node (or use --dry-run)") from None
     if out.returncode != 0:
-        raise UserError(f"sbatch refused the job: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+        reason = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+        raise UserError(f"sbatch refused the job: {reason}")
     return int(out.stdout.strip().split(";")[0])
