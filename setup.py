@@ -21,6 +21,7 @@ setup(
         "sentencepiece>=0.2",
         "datasets>=2.19",
         "numpy",
+        "safetensors",
         "pyyaml",
         "tqdm",
     ],
@@ -28,7 +29,7 @@ setup(
         "mpi": ["mpi4py"],
         "tensorboard": ["tensorboard"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "mpi4py", "mpich"],
+        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf"],  # transformers, protobuf: HF export/import tests
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
 )

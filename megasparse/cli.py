@@ -1,4 +1,4 @@
-"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train`` and ``launch``."""
+"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train``, ``launch``, ``inspect`` and ``convert``."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 
 import yaml
 
+from megasparse.checkpoint.cli import add_checkpoint_commands
 from megasparse.config import Config, load_config
 from megasparse.errors import UserError
 from megasparse.launch.cli import add_launch_commands
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(run=_train)
 
     add_launch_commands(commands)
+    add_checkpoint_commands(commands)
     return parser
 
 

@@ -154,6 +154,7 @@ class CheckpointConfig:
     dir: str = ""  # empty: <training.output_dir>/checkpoints
     interval: int = 500  # steps between checkpoints; 0: only the final one
     save_final: bool = True
+    init_from: str = ""  # a model directory (convert consolidate / import-hf) to start from at step 0
 
 
 @dataclass

@@ -105,6 +105,13 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def one_error_line(result, expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.error_lines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def train_losses(output_dir: Path) -> list[float]:
     from megasparse.train.metrics import read_metrics
 

@@ -1,9 +1,13 @@
-"""Resharding: a ZeRO-1/2 checkpoint written on one number of data-parallel ranks resumes on another,
-with every optimizer's state (AdamW, SMET's compact state, Spectron's momenta and power vectors)."""
+"""Resharding: a checkpoint written in one layout (tensor-parallel degree, data-parallel degree, ZeRO
+stage) resumes in another, with every optimizer's state (AdamW, SMET's compact state, Spectron's momenta
+and power vectors), directly or through a universal checkpoint (`megasparse convert reshard`)."""
 from __future__ import annotations
 
 import pytest
 from helpers import assert_same_model, checkpoint, megasparse, tiny_config, train_losses, write_config
+
+from megasparse.checkpoint.files import open_checkpoint
+from megasparse.checkpoint.state import read_training_state
 
 
 @pytest.mark.parametrize("method,zero", [("smet", 1), ("smet", 2), ("dense", 2), ("spectron", 1)])
@@ -16,9 +20,40 @@ def test_resharded_resume(runs, dataset, tmp_path, method, zero, saved_on, resum
                       training={"micro_batch_size": 8 // resumed_on})
     result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume",
                         str(uninterrupted / "checkpoints" / "step_00000004"), nproc=resumed_on).check()
-    assert f"resharded from {saved_on} data-parallel ranks" in result.stdout
+    assert f"resharded from 1 tensor-parallel x {saved_on} data-parallel ranks" in result.stdout
     assert train_losses(tmp_path / "out") == pytest.approx(train_losses(uninterrupted)[4:], rel=1e-6)
     expected, actual = checkpoint(uninterrupted, 8), checkpoint(tmp_path / "out", 8)
     assert_same_model(actual, expected, rel=1e-6)
     for name, tensor in expected.items():
         assert (actual[name].float() - tensor.float()).abs().max() <= 1e-6, name
+
+
+# (method, saved: ZeRO stage, processes, tensor-parallel; resumed: the same; through a universal checkpoint)
+LAYOUT_CHANGES = [
+    ("spectron", (2, 2, 2), (0, 1, 1), False),  # TP 2 -> 1, ZeRO-2 -> 0
+    ("dense", (0, 1, 1), (1, 4, 2), False),  # TP 1 -> 2 and DP 1 -> 2, ZeRO-0 -> 1
+    ("spectron", (0, 2, 2), (2, 2, 1), True),  # TP 2 -> DP 2, ZeRO-0 -> 2, universal
+    ("smet", (2, 2, 1), (0, 1, 1), True),  # DP 2 -> 1, ZeRO-2 -> 0, universal
+]
+
+
+@pytest.mark.parametrize("method,saved,resumed,universal", LAYOUT_CHANGES)
+def test_resume_in_another_layout(runs, dataset, tmp_path, method, saved, resumed, universal):
+    """The run continued in another layout matches the run that stayed (losses and final weights within
+    1e-6 relative: only the order of floating-point sums differs between tensor-parallel degrees)."""
+    zero, nproc, tp = saved
+    stayed = runs(zero, nproc, 1, method=method, tp=tp)
+    source = stayed / "checkpoints" / "step_00000004"
+    if universal:
+        megasparse("convert", "reshard", str(source), "--out", str(tmp_path / "universal")).check()
+        source = tmp_path / "universal"
+    zero, nproc, tp = resumed
+    cfg = tiny_config(dataset, tmp_path / "out", method, parallel={"zero_stage": zero, "tensor_parallel": tp},
+                      training={"micro_batch_size": 8 * tp // nproc})
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(source),
+                        nproc=nproc).check()
+    assert "resharded from" in result.stdout and ("universal format" in result.stdout) == universal
+    assert train_losses(tmp_path / "out") == pytest.approx(train_losses(stayed)[4:], rel=1e-6)
+    expected = read_training_state(open_checkpoint(stayed / "checkpoints" / "step_00000008"))
+    actual = read_training_state(open_checkpoint(tmp_path / "out" / "checkpoints" / "step_00000008"))
+    assert_same_model(actual.weights, expected.weights, rel=1e-6)

@@ -1,9 +1,14 @@
 """Training checkpoints through the DeepSpeed engine, with what exact resume needs.
 
 Layout: ``<checkpoint dir>/step_00001000/`` holds DeepSpeed's files (module, optimizer
-partitions, scheduler) and ``megasparse.json`` (step, data position, config, layout). Rank 0
-writes ``megasparse.json`` last, after every rank has finished its files, so a tag directory
-without it is incomplete and ``--resume auto`` passes over it.
+partitions, scheduler), a copy of the tokenizer and ``megasparse.json`` (step, data position,
+config, layout). Rank 0 writes ``megasparse.json`` last, after every rank has finished its files,
+so a tag directory without it is incomplete and ``--resume auto`` passes over it.
+
+A checkpoint resumes in the layout that wrote it through DeepSpeed's own loader. In any other
+layout (tensor-parallel degree, data-parallel degree under ZeRO-1/2, ZeRO stage 0 vs 1/2) or from
+a universal checkpoint, every rank reads the whole state (:mod:`megasparse.checkpoint.state`) and
+keeps its part.
 
 The DeepSpeed client state carries the loader position and the RNG states; with those, the
 weights after resuming at step k and training to n equal an uninterrupted run bit for bit.
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
-from megasparse.train.reshard import consolidate_zero_checkpoint, load_consolidated
+from megasparse.parallel.mappings import TensorParallel
 
 META_FILE = "megasparse.json"
 _TAG = re.compile(r"^step_(\d{8})$")
@@ -45,6 +51,7 @@ class CheckpointMeta:
     world_size: int
     data_parallel_size: int
     tensor_parallel_size: int = 1
+    format: str = "deepspeed"  # or "universal" (megasparse convert reshard)
 
     @classmethod
     def read(cls, tag_dir: Path) -> "CheckpointMeta":
@@ -79,45 +86,57 @@ def resolve_resume(resume: str | None, directory: Path) -> Path | None:
     return found[-1]
 
 
-def save_checkpoint(engine, directory: Path, meta: CheckpointMeta, client_state: dict[str, Any]) -> Path:
-    """Write a checkpoint on every rank; returns its tag directory."""
+def save_checkpoint(engine, directory: Path, meta: CheckpointMeta, client_state: dict[str, Any],
+                    tokenizer: Path) -> Path:
+    """Write a checkpoint on every rank (with a copy of ``tokenizer``); returns its tag directory."""
     tag = tag_for(meta.step)
     engine.save_checkpoint(str(directory), tag=tag, client_state={"megasparse": client_state})
     tag_dir = directory / tag
     if dist.get_rank() == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
+        shutil.copyfile(tokenizer, tag_dir / tokenizer.name)
         (tag_dir / META_FILE).write_text(json.dumps(meta.__dict__, indent=2) + "\n")
     dist.barrier()
     return tag_dir
 
 
-def load_checkpoint(engine, client_optimizer, tag_dir: Path, meta: CheckpointMeta, data_parallel_size: int) -> dict[str, Any]:
-    """Load module, optimizer and scheduler state into ``engine``; return the client state.
+def same_layout(meta: CheckpointMeta, cfg: Config, data_parallel_size: int) -> bool:
+    """Whether DeepSpeed's own loader can restore the checkpoint into this run's layout."""
+    saved_stage, stage = config_from_dict(meta.config).parallel.zero_stage, cfg.parallel.zero_stage
+    return meta.format == "deepspeed" and meta.tensor_parallel_size == cfg.parallel.tensor_parallel and (
+        saved_stage == stage == 0 or (saved_stage > 0 and stage > 0 and meta.data_parallel_size == data_parallel_size))
 
-    A ZeRO-1/2 checkpoint from another number of data-parallel ranks is resharded: DeepSpeed
-    loads the module and scheduler, :mod:`megasparse.train.reshard` the optimizer partitions.
-    """
-    reshard = engine.zero_optimization_stage() > 0 and meta.data_parallel_size != data_parallel_size
-    path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                                load_optimizer_states=not reshard)
+
+def load_checkpoint(engine, client_optimizer, tag_dir: Path, cfg: Config, tp: TensorParallel,
+                    data_parallel_size: int) -> dict[str, Any]:
+    """Load module, optimizer and scheduler state into ``engine``; return the client state."""
+    from megasparse.checkpoint.files import open_checkpoint
+    from megasparse.checkpoint.state import apply_training_state, read_training_state
+
+    checkpoint = open_checkpoint(tag_dir)
+    if not same_layout(checkpoint.meta, cfg, data_parallel_size):
+        return apply_training_state(engine, client_optimizer, read_training_state(checkpoint), tp)
+    path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     if path is None or not client_state or "megasparse" not in client_state:
         raise UserError(f"checkpoint '{tag_dir}' could not be loaded by DeepSpeed")
-    if reshard:
-        tp_rank = engine.mpu.get_model_parallel_rank() if engine.mpu else 0
-        load_consolidated(engine, client_optimizer, consolidate_zero_checkpoint(tag_dir, tp_rank))
-        # the optimizer's param groups (and with them the current rates) were not loaded
-        for group, lr in zip(client_optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
     return client_state["megasparse"]
+
+
+def check_same_model(saved: Config, cfg: Config, source: str) -> None:
+    """Fail with one line if ``source`` (described by ``saved``) holds another model than ``cfg`` (the
+    initialisation scale and preset name aside)."""
+    for key, ours in cfg.model.__dict__.items():
+        theirs = getattr(saved.model, key)
+        if key == "n_kv_heads":  # 0 means n_heads
+            theirs, ours = saved.model.kv_heads, cfg.model.kv_heads
+        if key not in ("preset", "init_std") and theirs != ours:
+            raise UserError(f"{source} is for another model: model.{key}={theirs}, this config has {ours}")
 
 
 def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokenizer_sha256: str,
                      tag_dir: Path) -> None:
     """Fail with one line if the checkpoint cannot continue this run."""
     saved = config_from_dict(meta.config)
-    for key, ours in cfg.model.__dict__.items():
-        theirs = getattr(saved.model, key)
-        if key != "preset" and theirs != ours:
-            raise UserError(f"checkpoint '{tag_dir}' is for another model: model.{key}={theirs}, this config has {ours}")
+    check_same_model(saved, cfg, f"checkpoint '{tag_dir}'")
     if meta.vocab_size != vocab_size:
         raise UserError(f"checkpoint '{tag_dir}' has vocabulary size {meta.vocab_size}, the data's tokenizer {vocab_size}")
     if meta.tokenizer_sha256 != tokenizer_sha256:
@@ -125,13 +144,6 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
     if saved.training.precision != cfg.training.precision:
         raise UserError(f"checkpoint '{tag_dir}' is {saved.training.precision}; this config trains in "
                         f"{cfg.training.precision}")
-    saved_stage, stage = saved.parallel.zero_stage, cfg.parallel.zero_stage
-    if (saved_stage == 0) != (stage == 0):
-        raise UserError(f"checkpoint '{tag_dir}' was written at ZeRO stage {saved_stage}; resume it at stage "
-                        f"{'0' if saved_stage == 0 else '1 or 2'} (this config has {stage})")
-    if meta.tensor_parallel_size != cfg.parallel.tensor_parallel:
-        raise UserError(f"checkpoint '{tag_dir}' was written with parallel.tensor_parallel={meta.tensor_parallel_size}; "
-                        f"resume it with the same tensor-parallel degree (this config has {cfg.parallel.tensor_parallel})")
     keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
                                               if cfg.model.layer == "sparse" else [])
     for key in keys:

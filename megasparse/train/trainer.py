@@ -19,7 +19,8 @@ import yaml
 from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 
-from megasparse.config import Config
+from megasparse.checkpoint.weights import init_from_directory
+from megasparse.config import Config, config_from_dict
 from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches, evaluation_batches
 from megasparse.data.prepare import prepare_data
@@ -34,8 +35,9 @@ from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.topology import TopologyUpdater
-from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, complete_checkpoints, load_checkpoint,
-                                         resolve_resume, rng_state, save_checkpoint, set_rng_state, tag_for)
+from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, check_same_model, complete_checkpoints, load_checkpoint,
+                                         resolve_resume, rng_state, same_layout, save_checkpoint, set_rng_state,
+                                         tag_for)
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.metrics import MetricsLogger
 from megasparse.train.optim import build_optimizer
@@ -81,7 +83,8 @@ class Trainer:
         self.dp_group = parallel.data_parallel_group
         t = cfg.training
         self.data = load_or_prepare(cfg)
-        tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size, parallel.tensor_parallel_rank)
+        self.tp = tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size,
+                                      parallel.tensor_parallel_rank)
         if self.data.vocab_size % tp.size:
             raise UserError(f"parallel.tensor_parallel={tp.size} does not divide the vocabulary size "
                             f"{self.data.vocab_size} of {cfg.data.path}; prepare it with a data.vocab_size it divides")
@@ -99,6 +102,10 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp))
+        if cfg.checkpoint.init_from and not self.resume_from:
+            init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
+                                self.data.tokenizer_sha256, tp, check_same_model)
+            _log(f"initialised the model from {cfg.checkpoint.init_from}")
         self.num_parameters = num_parameters(model)
         self.ds_config = deepspeed_config(cfg, self.dp_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
@@ -142,11 +149,12 @@ class Trainer:
 
     def _load(self, tag_dir: Path) -> int:
         meta = CheckpointMeta.read(tag_dir)
-        state = load_checkpoint(self.engine, self.optimizer, tag_dir, meta, self.dp_size)
+        state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
-        resharded = f" (resharded from {meta.data_parallel_size} data-parallel ranks)" if (
-            meta.data_parallel_size != self.dp_size and self.cfg.parallel.zero_stage > 0) else ""
+        resharded = "" if same_layout(meta, self.cfg, self.dp_size) else (
+            f" (resharded from {meta.tensor_parallel_size} tensor-parallel x {meta.data_parallel_size} data-parallel "
+            f"ranks, ZeRO-{config_from_dict(meta.config).parallel.zero_stage}, {meta.format} format)")
         _log(f"resumed from {tag_dir} at step {meta.step}{resharded}")
         return meta.step
 
@@ -274,7 +282,7 @@ class Trainer:
             tensor_parallel_size=self.parallel.tensor_parallel_size,
         )
         save_checkpoint(self.engine, self.cfg.checkpoint_dir, meta,
-                        {"loader": self.loader.state_dict(), "rng": rng_state()})
+                        {"loader": self.loader.state_dict(), "rng": rng_state()}, self.data.tokenizer_path)
 
 
 def _log(message: str) -> None:

@@ -1,0 +1,148 @@
+"""A megasparse checkpoint on disk: its files, their loading, and the model they describe.
+
+A checkpoint is a tag directory ``step_<8 digits>/`` written by DeepSpeed plus megasparse's own:
+
+    megasparse.json                              step, data position, config, layout (written last)
+    tokenizer.model                              the SentencePiece model of the training data
+    mp_rank_<t>_model_states.pt                  per tensor-parallel rank t: module weights, scheduler,
+                                                 client state; at ZeRO-0 also the optimizer state
+    zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt per (data-parallel rank d, t) at ZeRO-1/2: fp32 master
+                                                 partition and optimizer state
+
+or, after ``megasparse convert reshard``, a layout-free "universal" checkpoint (see state.py).
+The names, whole shapes and tensor-parallel split of every tensor are read off the model itself,
+built on the meta device from the checkpoint's config, so they can never drift from the layers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megasparse.config import Config, config_from_dict
+from megasparse.errors import UserError
+from megasparse.parallel.mappings import TensorParallel
+from megasparse.train.checkpoint import META_FILE, CheckpointMeta, complete_checkpoints
+
+TOKENIZER_FILE = "tokenizer.model"
+UNIVERSAL = "universal"
+
+
+def model_file(tensor_parallel_rank: int) -> str:
+    return f"mp_rank_{tensor_parallel_rank:02d}_model_states.pt"
+
+
+def optimizer_file(data_parallel_rank: int, tensor_parallel_rank: int, bf16: bool) -> str:
+    """DeepSpeed's name; its bf16 optimizer (bf16 with ZeRO-1) prefixes ``bf16_``."""
+    prefix = "bf16_" if bf16 else ""
+    return f"{prefix}zero_pp_rank_{data_parallel_rank}_mp_rank_{tensor_parallel_rank:02d}_optim_states.pt"
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load`` of one checkpoint file onto the CPU, failing with one line."""
+    if not path.is_file():
+        raise UserError(f"checkpoint file '{path}' is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated zip, a flipped byte, not a torch file at all
+        raise UserError(f"checkpoint file '{path}' is unreadable (truncated or corrupt: "
+                        f"{str(exc).splitlines()[0][:120]})") from None
+
+
+def reference_model(cfg: Config, vocab_size: int, tp: TensorParallel = TensorParallel()) -> nn.Module:
+    """The model of ``cfg`` as tensor-parallel rank ``tp.rank`` of ``tp.size`` holds it, on the meta device
+    (shapes, names and split dimensions only; nothing is allocated)."""
+    from megasparse.model.layers import layer_factory
+    from megasparse.model.llama import Llama
+
+    with torch.device("meta"):
+        return Llama(cfg.model, vocab_size, layer_factory(cfg, tp))
+
+
+def split_dimensions(model: nn.Module) -> dict[str, int | None]:
+    """Per parameter name: the dimension it is split along over the tensor-parallel group, or None."""
+    return {name: getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+            for name, p in model.named_parameters()}
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint tag directory whose completion file has been read."""
+
+    tag_dir: Path
+    meta: CheckpointMeta
+
+    @cached_property
+    def config(self) -> Config:
+        return config_from_dict(self.meta.config)
+
+    @property
+    def universal(self) -> bool:
+        return self.meta.format == UNIVERSAL
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.parallel.zero_stage
+
+    @property
+    def bf16(self) -> bool:
+        return self.config.training.precision == "bf16"
+
+    def files(self) -> list[Path]:
+        """Every file the checkpoint's layout needs."""
+        from megasparse.checkpoint.state import UNIVERSAL_FILES
+
+        names = [META_FILE]
+        if self.universal:
+            names += UNIVERSAL_FILES
+        else:
+            for t in range(self.meta.tensor_parallel_size):
+                names.append(model_file(t))
+                if self.zero_stage > 0:
+                    names += [optimizer_file(d, t, self.bf16) for d in range(self.meta.data_parallel_size)]
+        return [self.tag_dir / name for name in names]
+
+    def check_files(self) -> None:
+        """Fail with one line naming the first missing or empty file."""
+        for path in self.files():
+            if not path.is_file():
+                raise UserError(f"checkpoint '{self.tag_dir}' is incomplete: '{path.name}' is missing")
+            if path.stat().st_size == 0:
+                raise UserError(f"checkpoint '{self.tag_dir}' is damaged: '{path.name}' is empty")
+
+    def tokenizer(self) -> Path:
+        """The tokenizer the model was trained with: the checkpoint's copy, or the training data's if it
+        is the same file (checkpoints written before the copy was added)."""
+        from megasparse.data.tokenizer import file_sha256
+
+        candidates = [self.tag_dir / TOKENIZER_FILE, Path(self.config.data.path) / TOKENIZER_FILE]
+        for path in candidates:
+            if path.is_file() and file_sha256(path) == self.meta.tokenizer_sha256:
+                return path
+        raise UserError(f"checkpoint '{self.tag_dir}' has no copy of its tokenizer and the training data's "
+                        f"({candidates[1]}) is missing or another one")
+
+
+_STEP_TAG = re.compile(r"^step_\d{8}$")
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """A checkpoint from a tag directory, a checkpoint directory (its newest complete tag) or a run's output
+    directory (the newest in its ``checkpoints/``); its files are checked to be present."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint '{path}' does not exist")
+    if not (path / META_FILE).is_file():
+        found = complete_checkpoints(path) or complete_checkpoints(path / "checkpoints")
+        if not found:
+            hint = " (its completion file megasparse.json is missing)" if _STEP_TAG.match(path.name) else ""
+            raise UserError(f"'{path}' is not a megasparse checkpoint{hint}")
+        path = found[-1]
+    checkpoint = Checkpoint(path, CheckpointMeta.read(path))
+    checkpoint.check_files()
+    return checkpoint

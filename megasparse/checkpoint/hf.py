@@ -1,0 +1,164 @@
+"""Hugging Face ``LlamaForCausalLM`` folders: export a megasparse model, import one to continue pretraining.
+
+The model's parameter names are Hugging Face's without the ``model.`` prefix of the decoder and its
+rotary layout is the same (rotate-half), so the conversion is a renaming: no permutation. Sparse
+projections export as dense matrices with zeros, low-rank ones as W = A B. An import can turn the
+dense projections into SMET sparse ones (keep the d x out x in weights of largest magnitude, d per
+layer from ``sparse.density`` and ``sparse.init``) or into low-rank ones (the truncated SVD at rank r,
+split evenly between the factors, as Spectron initialises: Eckart-Young's best rank-r approximation).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megasparse.checkpoint.files import TOKENIZER_FILE, reference_model
+from megasparse.checkpoint.weights import portable_tensors
+from megasparse.config import Config, config_from_dict
+from megasparse.errors import UserError
+from megasparse.lowrank.layers import LowRankLinear, balanced_factors
+from megasparse.sparse.layer import SparseLinear
+
+HF_WEIGHTS = "model.safetensors"
+HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def hf_config(cfg: Config, vocab_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    m = cfg.model
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.dim // m.n_heads,
+        "hidden_act": "silu", "max_position_embeddings": cfg.data.seq_len, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_scaling": None, "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "initializer_range": m.init_std,
+        "bos_token_id": 1, "eos_token_id": 2, "dtype": HF_DTYPES[dtype], "use_cache": True,
+    }
+
+
+def write_hf_folder(directory: Path, weights: dict[str, torch.Tensor], cfg: Config, vocab_size: int,
+                    tokenizer: Path, dtype: torch.dtype) -> None:
+    """``config.json``, ``model.safetensors`` and the tokenizer (``tokenizer.model`` with its
+    ``tokenizer_config.json``) of the whole-model ``weights``."""
+    from megasparse.data.tokenizer import load_tokenizer
+
+    dense = portable_tensors(weights, reference_model(cfg, vocab_size), sparse="dense", lowrank="dense")
+    tensors = {hf_name(name): t.to(dtype).contiguous() for name, t in dense.items()}
+    save_file(tensors, str(directory / HF_WEIGHTS), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config(cfg, vocab_size, dtype), indent=2) + "\n")
+    shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
+    pieces = load_tokenizer(tokenizer)
+    special = {"unk_token": pieces.id_to_piece(pieces.unk_id()), "bos_token": pieces.id_to_piece(pieces.bos_id()),
+               "eos_token": pieces.id_to_piece(pieces.eos_id())}
+    # megasparse trains on documents without BOS, each followed by EOS.
+    tokenizer_config = {"tokenizer_class": "LlamaTokenizer", **special, "add_bos_token": False,
+                        "add_eos_token": False, "model_max_length": cfg.data.seq_len, "legacy": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def read_hf_folder(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """config.json, the weights (one or several safetensors files, by megasparse name) and the
+    SentencePiece tokenizer of a Hugging Face LLaMA folder."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"'{directory}' is not a Hugging Face model folder (no config.json)")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError:
+        raise UserError(f"'{config_path}' is not valid JSON") from None
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"'{directory}' has no *.safetensors weights (convert .bin checkpoints with transformers first)")
+    tokenizer = directory / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise UserError(f"'{directory}' has no SentencePiece {TOKENIZER_FILE}; megasparse's data pipeline needs one")
+    weights = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    weights[name.removeprefix("model.")] = handle.get_tensor(name).float()
+        except Exception as exc:
+            raise UserError(f"'{path}' is unreadable (truncated or corrupt: {str(exc).splitlines()[0][:120]})") from None
+    return config, weights, tokenizer
+
+
+def megasparse_config(hf: dict[str, Any], layer: str, overrides: dict[str, dict[str, Any]]) -> Config:
+    """The megasparse config of a Hugging Face LLaMA config (refusing what the model does not implement)."""
+    unsupported = {"model_type": hf.get("model_type") != "llama", "hidden_act": hf.get("hidden_act", "silu") != "silu",
+                   "attention_bias": bool(hf.get("attention_bias")), "mlp_bias": bool(hf.get("mlp_bias")),
+                   "rope_scaling": bool(hf.get("rope_scaling"))}
+    for key, bad in unsupported.items():
+        if bad:
+            raise UserError(f"the Hugging Face model has {key}={hf.get(key)!r}, which megasparse's LLaMA does not implement")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
+        raise UserError("the Hugging Face model's head_dim x num_attention_heads differs from hidden_size")
+    rope = hf.get("rope_parameters") or {}
+    model = {"preset": "", "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads,
+             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_dim": hf["intermediate_size"],
+             "norm_eps": hf.get("rms_norm_eps", 1e-6), "rope_theta": hf.get("rope_theta", rope.get("rope_theta", 1e4)),
+             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "init_std": hf.get("initializer_range", 0.02),
+             "layer": layer}
+    optimizer = {"dense": "adamw", "sparse": "smet", "lowrank": "spectron"}[layer]
+    raw = {**overrides, "model": model, "optimizer": {"name": optimizer, **overrides.get("optimizer", {})}}
+    return config_from_dict(raw).validate()
+
+
+@torch.no_grad()
+def convert_projections(weights: dict[str, torch.Tensor], cfg: Config, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Dense Hugging Face weights as ``cfg``'s model holds them (state-dict names, whole): sparse
+    projections keep their largest-magnitude weights, low-rank ones are factorised."""
+    model = reference_model(cfg, vocab_size)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    out = dict(weights)
+    for prefix, module in model.named_modules():
+        if isinstance(module, (SparseLinear, LowRankLinear)):
+            dense = _take(out, f"{prefix}.weight", (module.out_features, module.in_features))
+            if isinstance(module, SparseLinear):
+                index = dense.reshape(-1).abs().topk(module.nnz, sorted=False).indices.sort().values
+                out[f"{prefix}.values"], out[f"{prefix}.index"] = dense.reshape(-1)[index], index.to(torch.int32)
+            else:
+                out[f"{prefix}.A"], out[f"{prefix}.B"] = balanced_factors(dense, module.rank)
+    if cfg.model.tie_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    out = {name: t for name, t in out.items() if not name.endswith("rotary_emb.inv_freq")}
+    _check_shapes(out, expected)
+    return out
+
+
+def _take(weights: dict[str, torch.Tensor], name: str, shape: tuple[int, int]) -> torch.Tensor:
+    if name not in weights:
+        raise UserError(f"the Hugging Face weights have no '{hf_name(name)}'")
+    tensor = weights.pop(name)
+    if tuple(tensor.shape) != shape:
+        raise UserError(f"the Hugging Face weight '{hf_name(name)}' has shape {tuple(tensor.shape)}, its config "
+                        f"implies {shape}")
+    return tensor
+
+
+def _check_shapes(weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    for name, shape in expected.items():
+        if name not in weights:
+            raise UserError(f"the Hugging Face weights have no '{hf_name(name)}'")
+        if name.endswith(".index"):
+            continue
+        if tuple(weights[name].shape) != shape:
+            raise UserError(f"the Hugging Face weight '{hf_name(name)}' has shape {tuple(weights[name].shape)}, "
+                            f"its config implies {shape}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise UserError(f"the Hugging Face weights hold '{hf_name(extra[0])}', which a LLaMA does not have")

@@ -1,0 +1,277 @@
+"""A training checkpoint with every tensor whole: read from any layout, written into any layout.
+
+DeepSpeed's files depend on the layout that wrote them: one module file per tensor-parallel rank
+t holding t's shard of each split parameter, and at ZeRO-1/2 one optimizer file per (data-parallel
+rank, t) holding a flat fp32 partition of each parameter group and the client optimizer's state
+for it. A group's flat vector is its parameters flattened in the order of the module file's
+``param_shapes``, each followed by its alignment padding, then cut into equal partitions.
+
+:func:`read_training_state` undoes all of this into a :class:`TrainingState`: per parameter its
+whole fp32 master weights and whole elementwise optimizer state (Adam's moments, SMET's compact
+moments and cohort ids, Spectron's momenta), plus the values that are not elementwise (step
+counts, SMET's birth table, Spectron's power-iteration vectors), the scheduler, DeepSpeed's
+counters and megasparse's client state (data position, RNG). Tensor-parallel shards are joined
+along the dimension the layer splits them (read off the model, see files.py). Unlike DeepSpeed's
+universal-checkpoint converter it assumes no particular state keys, so SMET and Spectron state
+reshard like AdamW's.
+
+:func:`apply_training_state` writes such a state into a live engine of any tensor-parallel and
+data-parallel size and ZeRO stage, fragment by fragment (:mod:`megasparse.train.partitions`).
+:func:`save_universal` stores it layout-free (safetensors for the tensors), which is what
+``megasparse convert reshard`` writes.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save_file as save_safetensors
+from torch import nn
+
+from megasparse.checkpoint.files import (TOKENIZER_FILE, UNIVERSAL, Checkpoint, load_file, model_file,
+                                         optimizer_file, reference_model, split_dimensions)
+from megasparse.errors import UserError
+from megasparse.parallel.mappings import TensorParallel
+from megasparse.train.checkpoint import META_FILE, CheckpointMeta
+from megasparse.train.partitions import optimizer_fragments
+
+WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE = "weights.safetensors", "optimizer.safetensors", "state.pt"
+UNIVERSAL_FILES = [WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE]
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+@dataclass
+class TrainingState:
+    meta: CheckpointMeta
+    weights: dict[str, torch.Tensor]  # whole fp32 parameters and buffers, by module state-dict name
+    optimizer: dict[str, dict[str, Any]]  # per parameter name: whole elementwise state tensors, other values
+    scheduler: dict[str, Any]
+    client: dict[str, Any]  # megasparse's client state: data position, RNG states
+    counters: dict[str, int]  # DeepSpeed's global_steps, global_samples, skipped_steps
+
+
+def elementwise(value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state value holds one number per parameter element."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == param.numel()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_training_state(checkpoint: Checkpoint) -> TrainingState:
+    """The whole training state of ``checkpoint``, whatever layout wrote it."""
+    if checkpoint.universal:
+        return _read_universal(checkpoint)
+    cfg, meta = checkpoint.config, checkpoint.meta
+    ranks = []
+    for t in range(meta.tensor_parallel_size):
+        model = reference_model(cfg, meta.vocab_size, TensorParallel(None, meta.tensor_parallel_size, t))
+        ranks.append(_read_rank(checkpoint, t, model))
+    model = reference_model(cfg, meta.vocab_size, TensorParallel(None, meta.tensor_parallel_size, 0))
+    dims = split_dimensions(model)
+    weights = {name: _join([r[0][name] for r in ranks], dims.get(name)) for name in ranks[0][0]}
+    optimizer = {name: {key: _join([r[1][name][key] for r in ranks], dims[name]) if torch.is_tensor(value)
+                        and value.dim() > 0 else value for key, value in entry.items()}
+                 for name, entry in ranks[0][1].items()}
+    _share_group_values(optimizer, model, cfg)
+    states = ranks[0][2]
+    missing = [key for key in ("lr_scheduler", "megasparse", *_COUNTERS) if key not in states]
+    if missing:
+        raise UserError(f"checkpoint '{checkpoint.tag_dir}' has a module file without {', '.join(missing)}")
+    return TrainingState(meta, weights, optimizer, states["lr_scheduler"], states["megasparse"],
+                         {key: states[key] for key in _COUNTERS})
+
+
+def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
+    """Tensor-parallel rank t's weights, optimizer state (both shard-shaped) and module-file contents."""
+    path = checkpoint.tag_dir / model_file(t)
+    states = load_file(path)
+    weights = dict(states.get("module") or {})
+    expected = {name: p.shape for name, p in model.state_dict(keep_vars=True).items()}
+    shapes = {name: tuple(w.shape) for name, w in weights.items()}
+    if shapes != {name: tuple(s) for name, s in expected.items()}:
+        wrong = sorted(set(shapes.items()) ^ {(n, tuple(s)) for n, s in expected.items()})[0][0]
+        raise UserError(f"'{path}' does not hold the model of its megasparse.json (parameter '{wrong}' "
+                        "missing or of another shape)")
+    params = dict(model.named_parameters())
+    if checkpoint.zero_stage == 0:
+        optimizer = _zero0_optimizer_state(states.get("optimizer"), checkpoint, model, path)
+    else:
+        optimizer = _zero_partitions(checkpoint, t, states.get("param_shapes"))
+        for name, entry in optimizer.items():
+            weights[name] = entry.pop("fp32").view(params[name].shape)  # fp32 masters over bf16 module weights
+    for name, entry in optimizer.items():
+        for key, value in entry.items():
+            if elementwise(value, params[name]):
+                entry[key] = value.view(params[name].shape)
+    return {name: w.float() if w.is_floating_point() else w for name, w in weights.items()}, optimizer, states
+
+
+def _zero0_optimizer_state(saved: dict | None, checkpoint: Checkpoint, model: nn.Module,
+                           path: Path) -> dict[str, dict[str, Any]]:
+    """The client optimizer's state dict, keyed by parameter name instead of position."""
+    from megasparse.train.optim import parameter_groups
+
+    if not saved or "state" not in saved:
+        raise UserError(f"'{path}' has no optimizer state (ZeRO-0 keeps it in the module file)")
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in parameter_groups(model, checkpoint.config) for p in group["params"]]
+    return {order[index]: dict(state) for index, state in saved["state"].items()}
+
+
+def _zero_partitions(checkpoint: Checkpoint, t: int, shapes: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Per parameter of tensor-parallel rank t: its fp32 master weights ("fp32") and optimizer state,
+    flat and whole, assembled from every data-parallel rank's partition."""
+    ranks = [load_file(checkpoint.tag_dir / optimizer_file(d, t, checkpoint.bf16))["optimizer_state_dict"]
+             for d in range(checkpoint.meta.data_parallel_size)]
+    if not shapes:
+        raise UserError(f"'{checkpoint.tag_dir / model_file(t)}' has no parameter shapes (not a ZeRO-1/2 checkpoint)")
+    params: dict[str, dict[str, Any]] = {}
+    for group, group_shapes in enumerate(shapes):
+        partitions = [r["single_partition_of_fp32_groups"][group] for r in ranks]
+        states = [r["base_optimizer_state"]["state"][group] for r in ranks]
+        flat = {"fp32": torch.cat(partitions)}
+        shared = {}
+        for key, value in states[0].items():
+            if torch.is_tensor(value) and value.dim() > 0:  # partition-shaped: cut each to its partition
+                flat[key] = torch.cat([s[key].reshape(-1)[:p.numel()] for s, p in zip(states, partitions)])
+            else:
+                shared[key] = value
+        offset = 0
+        for (name, shape), padding in zip(group_shapes.items(), ranks[0]["param_alignment_paddings"][group]):
+            numel = torch.Size(shape).numel()
+            params[name] = {key: tensor[offset:offset + numel].clone() for key, tensor in flat.items()} | shared
+            offset += numel + padding
+    return params
+
+
+def _share_group_values(optimizer: dict[str, dict[str, Any]], model: nn.Module, cfg) -> None:
+    """Give every parameter of an optimizer group its group's values (a ZeRO-0 optimizer keeps some,
+    such as Spectron's power vectors, with the group's first parameter only), as ZeRO-1/2 files have them."""
+    from megasparse.train.optim import parameter_groups
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    for group in parameter_groups(model, cfg):
+        entries = [optimizer[names[id(p)]] for p in group["params"] if names[id(p)] in optimizer]
+        for key in {key for entry in entries for key in entry}:
+            found = next((e[key] for e in entries if e.get(key) is not None and not torch.is_tensor(e[key])), None)
+            for entry in entries:
+                if entry.get(key) is None and found is not None:
+                    entry[key] = found
+
+
+def _join(shards: list[Any], dim: int | None) -> Any:
+    return shards[0] if dim is None or len(shards) == 1 else torch.cat(shards, dim=dim)
+
+
+# ----------------------------------------------------------------------------- writing into an engine
+
+
+@torch.no_grad()
+def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state: TrainingState,
+                         tp: TensorParallel) -> dict[str, Any]:
+    """Load ``state`` into this rank's part of ``engine`` (module, fp32 masters, optimizer state,
+    scheduler, counters); returns megasparse's client state."""
+    module = engine.module
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name not in state.weights:
+            raise UserError(f"the checkpoint has no tensor '{name}' (written for another model)")
+        tensor.copy_(local_shard(state.weights[name], tensor, tp).to(tensor.dtype))
+    for name, param in module.named_parameters():
+        entry = {key: local_shard(value, param, tp).reshape(-1) if elementwise(value, param) or _split(value, param)
+                 else value for key, value in state.optimizer.get(name, {}).items()}
+        master = local_shard(state.weights[name], param, tp).reshape(-1)
+        for fragment in optimizer_fragments(engine, client_optimizer, param):
+            span = slice(fragment.start, fragment.start + fragment.numel)
+            target = slice(fragment.offset, fragment.offset + fragment.numel)
+            fragment.owner.view(-1)[target] = master[span].to(fragment.owner.device)
+            owner_state = client_optimizer.state[fragment.owner]
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == param.numel():
+                    if owner_state.get(key) is None:
+                        owner_state[key] = torch.zeros(fragment.owner.shape, dtype=value.dtype,
+                                                       device=fragment.owner.device)
+                    owner_state[key].view(-1)[target] = value[span].to(owner_state[key].device, owner_state[key].dtype)
+                elif value is not None or key not in owner_state:  # one group value, kept where present
+                    owner_state[key] = _to_device(copy.deepcopy(value), fragment.owner.device, key)
+    engine.lr_scheduler.load_state_dict(state.scheduler)
+    for group, lr in zip(client_optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+    for key, value in state.counters.items():
+        setattr(engine, key, value)
+    return state.client
+
+
+def _split(value: Any, param: nn.Parameter) -> bool:
+    """A whole-parameter state tensor of a tensor-parallel shard ``param``."""
+    dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+    return torch.is_tensor(value) and dim is not None and value.dim() == param.dim() and value.shape != param.shape
+
+
+def local_shard(whole: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This tensor-parallel rank's shard of ``whole`` for the module tensor ``like`` (split along its
+    ``partition_dim``), checked to fit."""
+    if whole.shape == like.shape:
+        return whole
+    dim = getattr(like, "partition_dim", None)
+    if dim is None or tp.shard(whole, dim).shape != like.shape:
+        raise UserError(f"the checkpoint's tensor of shape {tuple(whole.shape)} does not fit this model's "
+                        f"{tuple(like.shape)} (written for another model)")
+    return tp.shard(whole, dim)
+
+
+def _to_device(value: Any, device: torch.device, key: str) -> Any:
+    """Nested tensors onto ``device``; step counts stay where the optimizer keeps them (the CPU)."""
+    if key == "step":
+        return value
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device, key) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------- the universal form
+
+
+def save_universal(state: TrainingState, tag_dir: Path, tokenizer: Path) -> None:
+    """Write ``state`` layout-free into ``tag_dir``: whole tensors as safetensors, everything else in
+    ``state.pt``, the tokenizer, and ``megasparse.json`` last."""
+    tag_dir.mkdir(parents=True)
+    save_safetensors({name: w.contiguous() for name, w in state.weights.items()}, str(tag_dir / WEIGHTS_FILE))
+    tensors, values = {}, {}
+    for name, entry in state.optimizer.items():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"{name}/{key}"] = value.contiguous()
+            else:
+                values.setdefault(name, {})[key] = value
+    save_safetensors(tensors, str(tag_dir / OPTIMIZER_FILE))
+    torch.save({"optimizer": values, "scheduler": state.scheduler, "client": state.client,
+                "counters": state.counters}, tag_dir / VALUES_FILE)
+    shutil.copyfile(tokenizer, tag_dir / TOKENIZER_FILE)
+    meta = {**state.meta.__dict__, "format": UNIVERSAL}
+    (tag_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _read_universal(checkpoint: Checkpoint) -> TrainingState:
+    tag_dir = checkpoint.tag_dir
+    try:
+        weights = load_safetensors(str(tag_dir / WEIGHTS_FILE))
+        tensors = load_safetensors(str(tag_dir / OPTIMIZER_FILE))
+    except Exception as exc:
+        raise UserError(f"checkpoint '{tag_dir}' has an unreadable safetensors file: {exc}") from None
+    values = load_file(tag_dir / VALUES_FILE)
+    optimizer: dict[str, dict[str, Any]] = {name: dict(entry) for name, entry in values["optimizer"].items()}
+    for key, tensor in tensors.items():
+        name, _, state_key = key.rpartition("/")
+        optimizer.setdefault(name, {})[state_key] = tensor
+    return TrainingState(checkpoint.meta, weights, optimizer, values["scheduler"], values["client"], values["counters"])

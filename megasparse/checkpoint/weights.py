@@ -1,0 +1,175 @@
+"""A model directory: the whole model in one safetensors file, with its config and tokenizer.
+
+``megasparse convert consolidate`` and ``megasparse convert import-hf`` write it; training starts
+from one with ``checkpoint.init_from``. Tensor names are the model's own; each projection is stored
+in one of these forms (recorded in the file's metadata):
+
+- dense projection: ``<p>.weight`` (out x in);
+- sparse projection (SMET, ``--sparse``):
+  ``masked`` (default) ``<p>.weight`` with zeros where inactive and ``<p>.mask`` (bool, out x in);
+  ``dense``  ``<p>.weight`` only (the mask is lost: a weight regrown at 0 looks inactive);
+  ``compact`` ``<p>.values``, the active weights in row-major order of their positions, and
+  ``<p>.bitmask``, the out x in mask packed 8 positions per byte (``numpy.packbits`` order):
+  d x out x in x bytes per weight + out x in / 8 bytes instead of out x in x bytes per weight;
+- low-rank projection (``--lowrank``): ``factors`` (default) ``<p>.A`` (out x r) and ``<p>.B``
+  (r x in); ``dense`` ``<p>.weight`` = A B, computed in fp64.
+
+A tied output head is stored once, as ``embed_tokens.weight``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from megasparse.checkpoint.files import TOKENIZER_FILE
+from megasparse.config import Config, config_from_dict
+from megasparse.errors import UserError
+from megasparse.lowrank.layers import LowRankLinear
+from megasparse.parallel.mappings import TensorParallel
+from megasparse.sparse.layer import SparseLinear
+
+MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.yaml"
+SPARSE_FORMS = ("masked", "dense", "compact")
+LOWRANK_FORMS = ("factors", "dense")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse: str = "masked",
+                     lowrank: str = "factors") -> dict[str, torch.Tensor]:
+    """The whole-model ``weights`` (state-dict names, as training holds them) in the chosen forms;
+    ``model`` is the model they belong to (on the meta device is enough)."""
+    out = dict(weights)
+    for prefix, module in model.named_modules():
+        if isinstance(module, SparseLinear):
+            values, index = out.pop(f"{prefix}.values"), out.pop(f"{prefix}.index").long()
+            shape = (module.out_features, module.in_features)
+            dense = values.new_zeros(shape).view(-1).index_put((index,), values).view(shape)
+            mask = torch.zeros(shape, dtype=torch.bool).view(-1).index_fill(0, index, True).view(shape)
+            if sparse == "compact":
+                out[f"{prefix}.values"] = dense[mask]
+                out[f"{prefix}.bitmask"] = torch.from_numpy(np.packbits(mask.numpy().reshape(-1)))
+            else:
+                out[f"{prefix}.weight"] = dense
+                if sparse == "masked":
+                    out[f"{prefix}.mask"] = mask
+        elif isinstance(module, LowRankLinear) and lowrank == "dense":
+            a, b = out.pop(f"{prefix}.A"), out.pop(f"{prefix}.B")
+            out[f"{prefix}.weight"] = (a.double() @ b.double()).to(a.dtype)
+    if model.lm_head.weight is model.embed_tokens.weight:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`portable_tensors` for ``model``: state-dict names and shapes (whole, before any
+    tensor-parallel split), sparse layers as values and ascending positions."""
+    out = dict(tensors)
+    for prefix, module in model.named_modules():
+        if isinstance(module, SparseLinear):
+            numel = module.in_features * module.out_features
+            if f"{prefix}.bitmask" in out:
+                bits = out.pop(f"{prefix}.bitmask").numpy()
+                mask = torch.from_numpy(np.unpackbits(bits, count=numel).astype(bool))
+                values = out.pop(f"{prefix}.values")
+            elif f"{prefix}.mask" in out:
+                mask = out.pop(f"{prefix}.mask").reshape(-1)
+                values = out.pop(f"{prefix}.weight").reshape(-1)[mask]
+            else:
+                raise UserError(f"{source} has no mask for the sparse layer '{prefix}' (write it with "
+                                "--sparse masked or compact)")
+            if values.numel() != module.nnz:
+                raise UserError(f"{source}: '{prefix}' has {values.numel()} active weights, this model's density "
+                                f"gives it {module.nnz}")
+            out[f"{prefix}.values"], out[f"{prefix}.index"] = values, mask.nonzero().squeeze(1).to(torch.int32)
+        elif isinstance(module, LowRankLinear) and f"{prefix}.A" not in out:
+            raise UserError(f"{source} has no factors for the low-rank layer '{prefix}' (write it with --lowrank factors)")
+    if model.lm_head.weight is model.embed_tokens.weight:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point tensors to ``dtype``; masks and positions unchanged."""
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+
+
+# ----------------------------------------------------------------------------- the directory
+
+
+@contextmanager
+def new_directory(out: Path):
+    """Yield a temporary sibling of ``out`` to fill; it becomes ``out`` by one rename when the block
+    succeeds and is removed when it fails, so a failed conversion leaves nothing behind."""
+    if out.exists():
+        raise UserError(f"output '{out}' already exists; choose another --out (nothing was overwritten)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise UserError(f"could not write '{out}': {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_model_directory(directory: Path, tensors: dict[str, torch.Tensor], cfg: Config, vocab_size: int,
+                          tokenizer: Path, forms: dict[str, str], **metadata: str) -> None:
+    """``model.safetensors`` (with the forms, config and vocabulary size as metadata), ``config.yaml``
+    and the tokenizer."""
+    header = {"format": "megasparse", "config": json.dumps(cfg.to_dict()), "vocab_size": str(vocab_size),
+              **forms, **metadata}
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(directory / MODEL_FILE), metadata=header)
+    (directory / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
+
+
+def read_model_directory(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a model directory, with one-line errors."""
+    path = directory / MODEL_FILE
+    if not path.is_file():
+        raise UserError(f"'{directory}' is not a megasparse model directory (no {MODEL_FILE})")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as exc:
+        raise UserError(f"'{path}' is unreadable (truncated or corrupt: {str(exc).splitlines()[0][:120]})") from None
+    if metadata.get("format") != "megasparse":
+        raise UserError(f"'{path}' was not written by megasparse (convert Hugging Face models with import-hf)")
+    return tensors, metadata
+
+
+@torch.no_grad()
+def init_from_directory(model: nn.Module, directory: Path, cfg: Config, vocab_size: int, tokenizer_sha256: str,
+                        tp: TensorParallel, check_model: Callable[[Config, Config, str], None]) -> None:
+    """Set ``model`` (this rank's tensor-parallel part) to the weights of a model directory, after checking
+    it holds this model (``check_model``), vocabulary and tokenizer."""
+    from megasparse.checkpoint.files import reference_model
+    from megasparse.checkpoint.state import local_shard
+    from megasparse.data.tokenizer import file_sha256
+
+    tensors, metadata = read_model_directory(directory)
+    source = f"checkpoint.init_from '{directory}'"
+    check_model(config_from_dict(json.loads(metadata["config"])), cfg, source)
+    if int(metadata["vocab_size"]) != vocab_size:
+        raise UserError(f"{source} has vocabulary size {metadata['vocab_size']}, the data's tokenizer {vocab_size}")
+    if file_sha256(directory / TOKENIZER_FILE) != tokenizer_sha256:
+        raise UserError(f"{source} was made with another tokenizer than the data at {cfg.data.path}")
+    whole = training_tensors(tensors, reference_model(cfg, vocab_size), source)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in whole:
+            raise UserError(f"{source} has no tensor for '{name}'")
+        tensor.copy_(local_shard(whole[name], tensor, tp).to(tensor.dtype))
