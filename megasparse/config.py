@@ -134,6 +134,7 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2] = 0
     tensor_parallel: int = 1  # T: ranks that split each layer; the data-parallel degree is processes / T
     timeout_minutes: float = 30.0  # collectives that wait longer than this fail
+    heartbeat_seconds: float = 5.0  # period of each rank's heartbeat, which names a dead or hung rank; 0: off
 
 
 @dataclass
@@ -147,6 +148,7 @@ class TrainingConfig:
     eval_interval: int = 200  # steps between evaluations; 0: only at the end
     eval_samples: int = 256  # validation sequences per evaluation
     output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard logs, resolved config
+    max_skipped_steps: int = 5  # consecutive steps with non-finite gradients (skipped) that stop the run; 0: never
 
 
 @dataclass
@@ -155,6 +157,8 @@ class CheckpointConfig:
     interval: int = 500  # steps between checkpoints; 0: only the final one
     save_final: bool = True
     init_from: str = ""  # a model directory (convert consolidate / import-hf) to start from at step 0
+    keep_last: int = 0  # keep the newest K checkpoints (older ones are deleted); 0: keep all
+    keep_every: int = 0  # with keep_last: also keep every checkpoint whose step is a multiple of M
 
 
 @dataclass
@@ -227,8 +231,12 @@ class Config:
         self._validate_lowrank()
         self._validate_tensor_parallel()
         _require(self.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
+        _require(self.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0")
+        _require(self.checkpoint.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
+        _require(t.max_skipped_steps >= 0, "training.max_skipped_steps", "must be >= 0")
         _require(self.logging.log_interval > 0, "logging.log_interval", "must be > 0")
         _require(self.parallel.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
+        _require(self.parallel.heartbeat_seconds >= 0, "parallel.heartbeat_seconds", "must be >= 0")
         # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
         # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
         _require(t.precision == "fp32" or self.parallel.zero_stage > 0, "training.precision",

@@ -215,21 +215,40 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-BAD_CHECKPOINTS = [
-    ("missing shard", lambda c: (c / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
-     "is incomplete: 'zero_pp_rank_1_mp_rank_00_optim_states.pt' is missing"),
-    ("truncated shard", lambda c: truncate(c / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-     "is unreadable (truncated or corrupt"),
-    ("empty shard", lambda c: (c / "mp_rank_00_model_states.pt").write_bytes(b""), "'mp_rank_00_model_states.pt' is empty"),
-    ("no completion file", lambda c: (c / "megasparse.json").unlink(), "its completion file megasparse.json is missing"),
-]
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def without_manifest(damage):
+    def apply(tag: Path) -> None:
+        (tag / "manifest.json").unlink()
+        damage(tag)
+    return apply
+
+
+BAD_CHECKPOINTS = {
+    "missing shard": (lambda c: (c / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
+                      "is incomplete: 'zero_pp_rank_1_mp_rank_00_optim_states.pt' is missing"),
+    "truncated shard": (lambda c: truncate(c / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                        "is damaged: 'zero_pp_rank_0_mp_rank_00_optim_states.pt' has"),
+    "flipped byte": (lambda c: flip_byte(c / "mp_rank_00_model_states.pt"),
+                     "is damaged: 'mp_rank_00_model_states.pt' does not match its checksum"),
+    "truncated shard, no manifest": (without_manifest(lambda c: truncate(c / "mp_rank_00_model_states.pt")),
+                                     "is unreadable (truncated or corrupt"),
+    "empty shard": (lambda c: (c / "mp_rank_00_model_states.pt").write_bytes(b""), "'mp_rank_00_model_states.pt' is empty"),
+    "no completion file": (lambda c: (c / "megasparse.json").unlink(), "its completion file megasparse.json is missing"),
+}
 
 
 @pytest.mark.parametrize("case,command", [("missing shard", ["convert", "consolidate"]), ("truncated shard", ["inspect"]),
+                                          ("flipped byte", ["convert", "consolidate"]),
+                                          ("truncated shard, no manifest", ["convert", "export-hf"]),
                                           ("empty shard", ["convert", "export-hf"]),
                                           ("no completion file", ["convert", "reshard"])])
 def test_damaged_checkpoint(runs, tmp_path, case, command):
-    _, damage, message = next(c for c in BAD_CHECKPOINTS if c[0] == case)
+    damage, message = BAD_CHECKPOINTS[case]
     copy = broken_copy(trained(runs, "smet", 2, 2, 1), tmp_path, damage)
     out = ["--out", str(tmp_path / "out")] if command[0] == "convert" else []
     one_error_line(megasparse(*command, str(copy), *out), message)

@@ -28,6 +28,7 @@ from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.train.checkpoint import META_FILE, CheckpointMeta, complete_checkpoints
+from megasparse.train.durable import MANIFEST_FILE, verify_checkpoint
 
 TOKENIZER_FILE = "tokenizer.model"
 UNIVERSAL = "universal"
@@ -131,9 +132,10 @@ class Checkpoint:
 _STEP_TAG = re.compile(r"^step_\d{8}$")
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, verify: bool = True) -> Checkpoint:
     """A checkpoint from a tag directory, a checkpoint directory (its newest complete tag) or a run's output
-    directory (the newest in its ``checkpoints/``); its files are checked to be present."""
+    directory (the newest in its ``checkpoints/``); its files are checked to be present and, with
+    ``verify``, against its manifest (sizes and checksums) when it has one."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint '{path}' does not exist")
@@ -145,4 +147,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         path = found[-1]
     checkpoint = Checkpoint(path, CheckpointMeta.read(path))
     checkpoint.check_files()
+    if verify and (path / MANIFEST_FILE).is_file():
+        problem = verify_checkpoint(path)
+        if problem:
+            raise UserError(f"checkpoint '{path}' is damaged: {problem}")
     return checkpoint

@@ -39,6 +39,7 @@ from megasparse.checkpoint.files import (TOKENIZER_FILE, UNIVERSAL, Checkpoint, 
 from megasparse.errors import UserError
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.train.checkpoint import META_FILE, CheckpointMeta
+from megasparse.train.durable import write_manifest
 from megasparse.train.partitions import optimizer_fragments
 
 WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE = "weights.safetensors", "optimizer.safetensors", "state.pt"
@@ -260,6 +261,7 @@ def save_universal(state: TrainingState, tag_dir: Path, tokenizer: Path) -> None
     shutil.copyfile(tokenizer, tag_dir / TOKENIZER_FILE)
     meta = {**state.meta.__dict__, "format": UNIVERSAL}
     (tag_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    write_manifest(tag_dir)
 
 
 def _read_universal(checkpoint: Checkpoint) -> TrainingState:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from deepspeed.accelerator import get_accelerator
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
 from megasparse.parallel.mappings import TensorParallel
+from megasparse.train.durable import prune, write_checkpoint
 
 META_FILE = "megasparse.json"
 _TAG = re.compile(r"^step_(\d{8})$")
@@ -69,32 +70,42 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(tags, key=lambda p: p.name)
 
 
-def resolve_resume(resume: str | None, directory: Path) -> Path | None:
-    """The tag directory to resume from: ``auto`` (newest complete one, if any), a tag
-    directory, or a checkpoint directory (its newest)."""
+def resolve_resume(resume: str | None, directory: Path, verify: Callable[[Path], str | None],
+                   warn: Callable[[str], None]) -> Path | None:
+    """The tag directory to resume from: ``auto`` (the newest complete checkpoint in ``directory`` that
+    passes ``verify``, skipping the others with a warning; None if there is none at all), a tag
+    directory (which must pass), or a checkpoint directory (its newest that passes)."""
     if resume is None:
         return None
-    if resume == "auto":
-        found = complete_checkpoints(directory)
-        return found[-1] if found else None
-    path = Path(resume)
-    if (path / META_FILE).is_file():
-        return path
-    found = complete_checkpoints(path)
-    if not found:
-        raise UserError(f"--resume {resume}: no complete megasparse checkpoint there")
-    return found[-1]
+    path = directory if resume == "auto" else Path(resume)
+    if resume != "auto" and (path / META_FILE).is_file():
+        candidates = [path]
+    else:
+        candidates = complete_checkpoints(path)
+        if not candidates:
+            if resume == "auto":
+                return None
+            raise UserError(f"--resume {resume}: no complete megasparse checkpoint there")
+    for candidate in reversed(candidates):
+        problem = verify(candidate)
+        if problem is None:
+            return candidate
+        if len(candidates) == 1 and resume != "auto" and candidate == path:
+            raise UserError(f"checkpoint '{candidate}' is damaged: {problem}")
+        warn(f"skipping checkpoint {candidate}: {problem}")
+    raise UserError(f"no checkpoint in {path} passes its manifest check (see the warnings); nothing to resume from")
 
 
-def save_checkpoint(engine, directory: Path, meta: CheckpointMeta, client_state: dict[str, Any],
-                    tokenizer: Path) -> Path:
-    """Write a checkpoint on every rank (with a copy of ``tokenizer``); returns its tag directory."""
-    tag = tag_for(meta.step)
-    engine.save_checkpoint(str(directory), tag=tag, client_state={"megasparse": client_state})
-    tag_dir = directory / tag
-    if dist.get_rank() == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
-        shutil.copyfile(tokenizer, tag_dir / tokenizer.name)
-        (tag_dir / META_FILE).write_text(json.dumps(meta.__dict__, indent=2) + "\n")
+def save_checkpoint(engine, cfg: Config, meta: CheckpointMeta, client_state: dict[str, Any], tokenizer: Path) -> Path:
+    """Write, check and publish a checkpoint on every rank (with a copy of ``tokenizer``), then prune
+    old ones (:mod:`megasparse.train.durable`); returns its tag directory."""
+    directory = cfg.checkpoint_dir
+    complete = complete_checkpoints(directory)
+    extra = {tokenizer.name: tokenizer.read_bytes(), META_FILE: (json.dumps(meta.__dict__, indent=2) + "\n").encode()}
+    tag_dir = write_checkpoint(engine, directory, tag_for(meta.step), {"megasparse": client_state}, extra,
+                               complete[-1] if complete else None)
+    if dist.get_rank() == 0:
+        prune(directory, complete_checkpoints(directory), cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
     dist.barrier()
     return tag_dir
 
@@ -112,7 +123,7 @@ def load_checkpoint(engine, client_optimizer, tag_dir: Path, cfg: Config, tp: Te
     from megasparse.checkpoint.files import open_checkpoint
     from megasparse.checkpoint.state import apply_training_state, read_training_state
 
-    checkpoint = open_checkpoint(tag_dir)
+    checkpoint = open_checkpoint(tag_dir, verify=False)  # the trainer verified it on all ranks
     if not same_layout(checkpoint.meta, cfg, data_parallel_size):
         return apply_training_state(engine, client_optimizer, read_training_state(checkpoint), tp)
     path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)

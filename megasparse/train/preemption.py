@@ -46,6 +46,9 @@ class StopRequests:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.received = signal.Signals(signum)
+        # os.write: safe inside a handler (print could re-enter a buffered write of the main thread)
+        os.write(2, f"[megasparse] {self.received.name} received: saving a checkpoint after this step "
+                    "(a second SIGTERM exits at once)\n".encode())
 
     def agreed(self) -> bool:
         """True on every rank when any rank has received a stop signal (a collective: call on all ranks)."""

@@ -33,12 +33,16 @@ from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
+from megasparse.parallel.watchdog import Heartbeat
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, check_same_model, complete_checkpoints, load_checkpoint,
                                          resolve_resume, rng_state, same_layout, save_checkpoint, set_rng_state,
                                          tag_for)
 from megasparse.train.deepspeed_config import deepspeed_config
+from megasparse.train.durable import RecordingCheckpointEngine, remove_partials, verify_on_all_ranks
+from megasparse.train.faults import at_step_start, poison_loss
+from megasparse.train.guard import NonFiniteGuard
 from megasparse.train.metrics import MetricsLogger
 from megasparse.train.optim import build_optimizer
 from megasparse.train.partitions import optimizer_fragments
@@ -48,8 +52,25 @@ from megasparse.train.schedule import LearningRateSchedule
 
 def train(cfg: Config, resume: str | None = None) -> "Trainer":
     """Run (or continue, with ``resume``) the training described by ``cfg``; returns the finished trainer."""
-    trainer = Trainer(cfg, start_processes(cfg), resume)
-    trainer.run()
+    parallel = start_processes(cfg)
+    world = dist.get_world_size()
+    heartbeat = Heartbeat(dist.get_rank(), world, cfg.parallel.heartbeat_seconds,
+                          cfg.parallel.timeout_minutes * 60) if world > 1 and cfg.parallel.heartbeat_seconds > 0 else None
+    trainer = None
+    try:
+        trainer = Trainer(cfg, parallel, resume)
+        trainer.heartbeat = heartbeat
+        trainer.run()
+    except RuntimeError as exc:  # gloo reports a lost peer as a plain RuntimeError, NCCL as DistBackendError
+        silent = heartbeat.diagnosis() if heartbeat else None
+        if silent is None:
+            raise
+        where = f"after step {trainer.step}" if trainer else "while starting"
+        raise UserError(f"rank {dist.get_rank()}: a collective failed {where}: {silent} "
+                        f"[{str(exc).strip().splitlines()[0][:160]}]") from None
+    finally:
+        if heartbeat:
+            heartbeat.stop()
     return trainer
 
 
@@ -110,12 +131,16 @@ class Trainer:
         self.ds_config = deepspeed_config(cfg, self.dp_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
         self.optimizer = build_optimizer(cfg, model)
+        self.guard = NonFiniteGuard(self.optimizer)  # before the scheduler wraps the optimizer's step
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, mpu=parallel,
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule), config=self.ds_config,
             dist_init_required=False,
         )
         self.device = self.engine.device
+        self.engine.checkpoint_engine = RecordingCheckpointEngine(self.engine.checkpoint_engine)
+        self.skipped_steps = self.consecutive_skips = 0
+        self.heartbeat: Heartbeat | None = None  # set by train() on several ranks
 
         def fragments(param: torch.nn.Parameter):
             return optimizer_fragments(self.engine, self.optimizer, param)
@@ -137,7 +162,7 @@ class Trainer:
     def _checked_resume(self, resume: str | None) -> Path | None:
         """The checkpoint to resume from, checked against this run; None to start fresh."""
         directory = self.cfg.checkpoint_dir
-        tag_dir = resolve_resume(resume, directory)
+        tag_dir = resolve_resume(resume, directory, verify_on_all_ranks, lambda message: _log(f"warning: {message}"))
         if tag_dir is None:
             if complete_checkpoints(directory) and resume is None:
                 raise UserError(f"{directory} already holds checkpoints; pass --resume auto to continue, "
@@ -179,6 +204,7 @@ class Trainer:
                  f"{self.data.vocab_size}; {self.parallel.tensor_parallel_size} tensor-parallel x {self.dp_size} "
                  f"data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
                  f"{self.loader.accumulation_steps} micro-batch(es) per step")
+        rank0_runs(self._prepare_checkpoint_dir, "preparing the checkpoint directory")
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
         while self.step < t.steps:
@@ -186,8 +212,16 @@ class Trainer:
             lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves on at its end)
             if self.topology:
                 self.topology.before_step(self.step + 1)
+            if self.heartbeat:
+                self.heartbeat.progress()
+            at_step_start(self.step + 1)
+            skips_before = self._skip_counters()
             loss, grad_norm = self._train_step(measure_norm=log_now and self.measure_grad_norm)
             self.step += 1
+            if self._skip_counters() != skips_before:
+                self._skipped_step()
+            else:
+                self.consecutive_skips = 0
             if self.topology and self.topology.due(self.step):
                 self.metrics.log("topology", self.step, **self.topology.update(self.step))
             window_loss += loss
@@ -205,6 +239,7 @@ class Trainer:
                     "tokens_per_s": window_steps * tokens_per_step / elapsed,
                     "step_time_s": elapsed / window_steps,
                     "memory_gb": get_accelerator().max_memory_allocated() / 2**30,
+                    "skipped_steps": self.skipped_steps,
                     **self._optimizer_statistics(),
                 }
                 self.metrics.log("train", self.step, **values)
@@ -231,6 +266,33 @@ class Trainer:
             write_marker(Path(self.cfg.training.output_dir), self.step, name, tag_dir)
         _log(f"stopped by {name} after step {self.step}; saved {tag_dir}; continue with --resume auto")
 
+    def _prepare_checkpoint_dir(self) -> None:
+        """Create the checkpoint directory (fail now, not at the first save) and drop interrupted saves."""
+        directory = self.cfg.checkpoint_dir
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot write checkpoints to {directory}: {exc.strerror or exc}") from None
+        remove_partials(directory)
+
+    def _skip_counters(self) -> tuple[int, int]:
+        """Steps skipped so far by the numerical guard and by DeepSpeed's own overflow check."""
+        return self.guard.skipped, self.engine.skipped_steps
+
+    def _skipped_step(self) -> None:
+        """Log a step whose gradients were not finite (skipped on every rank); stop after
+        ``training.max_skipped_steps`` in a row."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.metrics.log("skipped", self.step, consecutive=self.consecutive_skips, total=self.skipped_steps)
+        _log(f"warning: step {self.step} skipped: non-finite loss or gradient on some rank")
+        limit = self.cfg.training.max_skipped_steps
+        if limit and self.consecutive_skips >= limit:
+            complete = complete_checkpoints(self.cfg.checkpoint_dir)
+            raise UserError(f"stopped at step {self.step}: {self.consecutive_skips} consecutive steps had a non-finite "
+                            f"loss or gradient (training.max_skipped_steps={limit}); the last good checkpoint is "
+                            f"{complete[-1] if complete else 'none'}")
+
     def _due(self, interval: int, at_end: bool) -> bool:
         return (interval > 0 and self.step % interval == 0) or (at_end and self.step == self.cfg.training.steps)
 
@@ -240,7 +302,7 @@ class Trainer:
         micro_batches = self.loader.next_step()
         total, grad_norm = torch.zeros((), device=self.device), None
         for i, (inputs, targets) in enumerate(micro_batches):
-            loss = self.engine(inputs.to(self.device), targets.to(self.device))
+            loss = poison_loss(self.engine(inputs.to(self.device), targets.to(self.device)), self.step + 1)
             self.engine.backward(loss)
             if measure_norm and i == len(micro_batches) - 1:  # gradients are reduced at the boundary
                 grad_norm = gradient_norm(self.engine.module.parameters(), self.parallel)
@@ -281,7 +343,7 @@ class Trainer:
             world_size=dist.get_world_size(), data_parallel_size=self.dp_size,
             tensor_parallel_size=self.parallel.tensor_parallel_size,
         )
-        save_checkpoint(self.engine, self.cfg.checkpoint_dir, meta,
+        save_checkpoint(self.engine, self.cfg, meta,
                         {"loader": self.loader.state_dict(), "rng": rng_state()}, self.data.tokenizer_path)
 
 

@@ -1,0 +1,88 @@
+"""The hang guard: a rank that dies or hangs makes the others fail, naming it, instead of waiting forever.
+
+Every rank keeps a heartbeat: a background thread adds 1 to the counter
+``megasparse/heartbeat/<rank>`` in the rendezvous store every ``parallel.heartbeat_seconds``. To
+find who stopped, a rank reads all counters, waits three periods (beating on) and reads them
+again: the ranks whose counters did not move are dead or hung (counters, not clock times, so clock
+skew between nodes does not matter). If the store itself is unreachable, rank 0, which hosts it,
+is the one gone. This runs in two cases:
+
+- a collective raises (gloo sees a dead peer's closed connection at once; NCCL raises after the
+  process group's timeout): the trainer turns the error into one line naming the silent rank;
+- the training loop makes no progress for ``parallel.timeout_minutes`` (a collective that never
+  returns, as DeepSpeed's shared-memory CPU all-reduce or a stuck NCCL kernel can): the heartbeat
+  thread itself reports the silent rank and ends the process with exit code 2. If every rank still
+  beats (a slow step, a long checkpoint), it reports nothing and keeps waiting.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as torch_dist
+
+
+class Heartbeat:
+    def __init__(self, rank: int, world_size: int, period_s: float, stall_timeout_s: float) -> None:
+        self.rank, self.world_size, self.period_s, self.stall_timeout_s = rank, world_size, period_s, stall_timeout_s
+        self.last_progress = time.monotonic()
+        self.store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                         is_master=False, timeout=timedelta(seconds=max(10.0, 3 * period_s)),
+                                         wait_for_workers=False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="megasparse-heartbeat", daemon=True)
+        self._thread.start()
+
+    def progress(self) -> None:
+        """The training loop completed a step."""
+        self.last_progress = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(self._key(self.rank), 1)
+            except Exception:  # the store is gone (rank 0 died): the main thread's collective will say so
+                return
+            if time.monotonic() - self.last_progress > self.stall_timeout_s:
+                diagnosis = self.diagnosis()
+                if diagnosis and not self._stop.is_set():
+                    stalled = time.monotonic() - self.last_progress
+                    print(f"megasparse: error: rank {self.rank}: no progress for {stalled:.0f} s "
+                          f"(parallel.timeout_minutes): {diagnosis}", file=sys.stderr, flush=True)
+                    os._exit(2)
+                self.last_progress = time.monotonic()  # everyone is alive: wait another timeout
+            self._stop.wait(self.period_s)
+
+    def _key(self, rank: int) -> str:
+        return f"megasparse/heartbeat/{rank}"
+
+    def _counters(self) -> list[int]:
+        return [self.store.add(self._key(rank), 0) for rank in range(self.world_size)]
+
+    def silent_ranks(self) -> list[int] | None:
+        """The ranks whose heartbeat stopped (over three periods); None if the store is unreachable."""
+        try:
+            before = self._counters()
+            for _ in range(3):
+                time.sleep(self.period_s)
+                self.store.add(self._key(self.rank), 1)  # this rank is alive while it judges the others
+            after = self._counters()
+        except Exception:
+            return None
+        return [rank for rank, (b, a) in enumerate(zip(before, after)) if a == b and rank != self.rank]
+
+    def diagnosis(self) -> str | None:
+        """Which rank stopped, in words; None if every other rank still beats (the error is not a lost peer)."""
+        silent = self.silent_ranks()
+        if silent is None:
+            return "rank 0, which hosts the rendezvous store, is unreachable (dead, or its node is)"
+        if not silent:
+            return None
+        names = ", ".join(map(str, silent))
+        return f"rank {names} stopped responding (no heartbeat for {3 * self.period_s:g} s: dead or hung)"
+
+    def stop(self) -> None:
+        self._stop.set()

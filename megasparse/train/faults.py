@@ -1,0 +1,71 @@
+"""Fault injection for the reliability tests, driven by the ``MEGASPARSE_FAULTS`` environment variable.
+
+``MEGASPARSE_FAULTS`` is a comma-separated list of ``KIND@STEPS`` or ``KIND@STEPS:RANK``, STEPS one
+step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op:
+
+- ``kill@K:R``: rank R kills itself (SIGKILL) as step K begins;
+- ``stop@K:R``: rank R stops itself (SIGSTOP, a hang) as step K begins;
+- ``nan_loss@K:R``: rank R's loss at step K becomes NaN (the numerical guard must skip the step);
+- ``kill_during_save@K:R``: rank R kills itself (SIGKILL) after writing its first file of the
+  step-K checkpoint, before the checkpoint is complete;
+- ``kill_before_publish@K``: rank 0 kills itself after every file of the step-K checkpoint is
+  written and checked, just before the directory is renamed into place.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+from functools import cache
+from pathlib import Path
+
+import torch
+
+_STEP = re.compile(r"step_(\d{8})")
+
+
+@cache
+def _faults() -> dict[str, tuple[int, int, int]]:
+    """kind -> (first step, last step, rank)."""
+    faults = {}
+    for item in filter(None, os.environ.get("MEGASPARSE_FAULTS", "").split(",")):
+        kind, _, where = item.partition("@")
+        steps, _, rank = where.partition(":")
+        first, _, last = steps.partition("-")
+        faults[kind.strip()] = (int(first), int(last or first), int(rank or 0))
+    return faults
+
+
+def _due(kind: str, step: int) -> bool:
+    fault = _faults().get(kind)
+    return fault is not None and fault[0] <= step <= fault[1] and fault[2] == int(os.environ.get("RANK", "0"))
+
+
+def _step_of(path: str | Path) -> int:
+    found = _STEP.search(str(path))
+    return int(found.group(1)) if found else -1
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def at_step_start(step: int) -> None:
+    if _due("kill", step):
+        _die()
+    if _due("stop", step):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def poison_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
+    return loss * float("nan") if _due("nan_loss", step) else loss
+
+
+def after_checkpoint_file(path: str | Path) -> None:
+    if _due("kill_during_save", _step_of(path)):
+        _die()
+
+
+def before_publish(final: Path) -> None:
+    if _due("kill_before_publish", _step_of(final)):
+        _die()

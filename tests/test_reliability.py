@@ -1,0 +1,276 @@
+"""Fault injection on real 2-rank gloo runs: killed and hung ranks, crashes while a checkpoint is being
+written, damaged checkpoints, stop signals and non-finite losses. After each fault the run resumes with
+`--resume auto` and must end bit-identical to the uninterrupted run (tiny_config's, trained by `runs`).
+
+Faults come from MEGASPARSE_FAULTS (megasparse/train/faults.py): the kill, hang and NaN happen inside
+the process at a chosen step, so the tests are deterministic; signals are sent from outside."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import checkpoint, megasparse, tiny_config, train_losses, write_config
+
+from megasparse.parallel.launch_env import free_port
+from megasparse.train.durable import verify_checkpoint
+from megasparse.train.metrics import read_metrics
+
+# method -> (ZeRO stage, tensor-parallel degree) of its 2-rank run
+LAYOUT = {"dense": (1, 1), "smet": (2, 1), "spectron": (1, 2)}
+FAST = {"heartbeat_seconds": 1}
+
+
+def fault_config(dataset: Path, out: Path, method: str, **sections) -> Path:
+    """tiny_config on 2 ranks with a checkpoint every 2 steps and a 1 s heartbeat."""
+    zero, tp = LAYOUT[method]
+    parallel = {"zero_stage": zero, "tensor_parallel": tp, **FAST, **sections.pop("parallel", {})}
+    cfg = tiny_config(dataset, out, method, parallel=parallel, checkpoint={"interval": 2, **sections.pop("checkpoint", {})},
+                      training={"micro_batch_size": 4 * tp, **sections.pop("training", {})}, **sections)
+    return write_config(out.parent / f"{out.name}.yaml", cfg)
+
+
+def reference(runs, method: str) -> Path:
+    zero, tp = LAYOUT[method]
+    return runs(zero, 2, 1, method=method, tp=tp)
+
+
+def train(config: Path, *args: str, faults: str = ""):
+    return megasparse("train", str(config), *args, nproc=2, env={"MEGASPARSE_FAULTS": faults})
+
+
+def assert_exact(out: Path, uninterrupted: Path, tp: int) -> None:
+    """Bit-identical final weights on every tensor-parallel rank."""
+    for rank in range(tp):
+        expected, actual = checkpoint(uninterrupted, 8, rank), checkpoint(out, 8, rank)
+        assert expected.keys() == actual.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name], tensor), name
+
+
+@pytest.mark.parametrize("method,seed", [("dense", 0), ("dense", 7), ("smet", 9), ("spectron", 4)])
+def test_killed_rank_then_resume_is_exact(runs, dataset, tmp_path, method, seed):
+    step, rank = random.Random(seed).randint(2, 8), seed % 2
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, method)
+    crashed = train(config, faults=f"kill@{step}:{rank}")
+    assert crashed.returncode != 0
+    survivor = 1 - rank
+    blamed = "rank 1 stopped responding" if rank == 1 else "rank 0, which hosts the rendezvous store, is unreachable"
+    assert f"megasparse: error: rank {survivor}: a collective failed after step {step - 1}: {blamed}" in crashed.stderr
+    resumed = train(config, "--resume", "auto").check()
+    lost = (step - 1) % 2  # steps since the last checkpoint
+    assert f"at step {step - 1 - lost}" in resumed.stdout or step - 1 - lost == 0
+    assert_exact(out, reference(runs, method), LAYOUT[method][1])
+
+
+@pytest.mark.parametrize("fault", ["kill_during_save@4:1", "kill_before_publish@4"])
+def test_crash_while_writing_a_checkpoint(runs, dataset, tmp_path, fault):
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "smet")
+    assert train(config, faults=fault).returncode != 0
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / ".step_00000004.partial").is_dir()  # what the crash left
+    assert not (checkpoints / "step_00000004").exists()
+    assert (checkpoints / "latest").read_text() == "step_00000002"
+    resumed = train(config, "--resume", "auto").check()
+    assert "resumed from" in resumed.stdout and "step_00000002 at step 2" in resumed.stdout
+    assert not (checkpoints / ".step_00000004.partial").exists()
+    assert_exact(out, reference(runs, "smet"), 1)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": (lambda tag: truncate(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                  "'zero_pp_rank_1_mp_rank_00_optim_states.pt' has"),
+    "flipped byte": (lambda tag: flip_byte(tag / "mp_rank_00_model_states.pt"),
+                     "'mp_rank_00_model_states.pt' does not match its checksum"),
+    "deleted": (lambda tag: (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink(),
+                "'zero_pp_rank_0_mp_rank_00_optim_states.pt' is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_checkpoint_is_skipped(runs, dataset, tmp_path, damage):
+    """The newest checkpoint is damaged after the run: --resume auto warns, takes the one before and
+    retrains the last steps to the same weights (the damaged checkpoint is replaced)."""
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "smet")
+    train(config).check()
+    harm, problem = DAMAGE[damage]
+    harm(out / "checkpoints" / "step_00000008")
+    resumed = train(config, "--resume", "auto").check()
+    assert f"warning: skipping checkpoint {out / 'checkpoints' / 'step_00000008'}: {problem}" in resumed.stdout
+    assert "step_00000006 at step 6" in resumed.stdout
+    assert_exact(out, reference(runs, "smet"), 1)
+    # an explicit --resume of a damaged checkpoint is an error, not a fallback
+    harm(out / "checkpoints" / "step_00000008")
+    result = train(config, "--resume", str(out / "checkpoints" / "step_00000008"))
+    assert result.returncode == 2 and f"is damaged: {problem}" in result.stderr
+
+
+@pytest.mark.parametrize("zero", [0, 1])  # megasparse's guard at ZeRO-0, DeepSpeed's overflow check at ZeRO-1
+def test_nonfinite_loss_skips_the_step_everywhere(dataset, tmp_path, zero):
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", checkpoint={"interval": 1}, parallel={"zero_stage": zero})
+    result = train(config, faults="nan_loss@3:1").check()
+    assert "step 3 skipped: non-finite loss or gradient" in result.stdout
+    assert [r["step"] for r in read_metrics(out, "skipped")] == [3]
+    records = read_metrics(out)
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert all(loss == loss for loss in train_losses(out)[3:])  # finite again after the skipped step
+    before, after = checkpoint(out, 2), checkpoint(out, 3)
+    for name, tensor in before.items():  # the skipped step changed no weight
+        assert torch.equal(after[name], tensor), name
+    assert not torch.equal(checkpoint(out, 4)["lm_head.weight"], after["lm_head.weight"])  # training went on
+
+
+def test_too_many_nonfinite_steps_stop_the_run(dataset, tmp_path):
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", training={"max_skipped_steps": 2})
+    result = train(config, faults="nan_loss@3-8:0")
+    assert result.returncode == 2
+    assert ("stopped at step 4: 2 consecutive steps had a non-finite loss or gradient "
+            f"(training.max_skipped_steps=2); the last good checkpoint is {out / 'checkpoints' / 'step_00000002'}"
+            in result.stderr)
+
+
+def start_ranks(config: Path, faults: str, nproc: int = 2) -> list[subprocess.Popen]:
+    port = str(free_port())
+    return [subprocess.Popen([sys.executable, "-m", "megasparse", "train", str(config)], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
+                                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                  "MEGASPARSE_FAULTS": faults})
+            for r in range(nproc)]
+
+
+def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
+    """Rank 1 hangs (SIGSTOP) at step 5: rank 0 waits in a collective that never returns (DeepSpeed's
+    shared-memory CPU all-reduce has no timeout); after parallel.timeout_minutes (15 s here) without
+    progress its heartbeat thread names rank 1 and ends it, instead of waiting forever."""
+    config = fault_config(dataset, tmp_path / "out", "dense", parallel={"timeout_minutes": 0.25})
+    ranks = start_ranks(config, "stop@5:1")
+    try:
+        start = time.monotonic()
+        _, stderr = ranks[0].communicate(timeout=240)
+        waited = time.monotonic() - start
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.communicate()
+    assert ranks[0].returncode == 2
+    assert "megasparse: error: rank 0: no progress for" in stderr
+    assert "rank 1 stopped responding (no heartbeat for 3 s: dead or hung)" in stderr
+    assert waited < 90
+
+
+def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if (out / "metrics.jsonl").is_file() and any(
+                json.loads(line).get("step", 0) >= step for line in (out / "metrics.jsonl").read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {step}")
+
+
+def test_sigusr1_saves_and_resumes_exactly(runs, dataset, tmp_path):
+    """SIGUSR1 to one rank mid-run: all ranks stop at the next step boundary, save, exit 0; resuming ends
+    bit-identical to the uninterrupted run."""
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", checkpoint={"interval": 0, "save_final": True})
+    ranks = start_ranks(config, "")
+    wait_for_step(out, 2, ranks)
+    ranks[1].send_signal(signal.SIGUSR1)
+    results = [proc.communicate(timeout=240) for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0], results[0][1][-3000:]
+    marker = json.loads((out / "interrupted.json").read_text())
+    assert 2 <= marker["step"] < 8
+    train(config, "--resume", "auto").check()
+    assert not (out / "interrupted.json").exists()
+    assert_exact(out, reference(runs, "dense"), 1)
+
+
+def test_second_sigterm_exits_at_once_and_keeps_the_last_checkpoint(dataset, tmp_path):
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", training={"steps": 400}, checkpoint={"interval": 2})
+    ranks = start_ranks(config, "")
+    wait_for_step(out, 4, ranks)
+    ranks[0].send_signal(signal.SIGTERM)  # the scheduler's SIGTERM ...
+    for line in ranks[0].stderr:  # ... is recorded (the step is still running) ...
+        if "SIGTERM received" in line:
+            break
+    ranks[0].send_signal(signal.SIGTERM)  # ... and a second one comes before the step ends
+    assert ranks[0].wait(timeout=60) == -signal.SIGTERM
+    ranks[1].kill()
+    for proc in ranks:
+        proc.communicate()
+    assert not (out / "interrupted.json").exists()
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "latest").read_text() in {p.name for p in checkpoints.glob("step_*")}
+    assert verify_checkpoint(checkpoints / (checkpoints / "latest").read_text()) is None
+
+
+def test_pruning_keeps_the_last_and_every_mth(dataset, tmp_path):
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", checkpoint={"interval": 1, "keep_last": 2, "keep_every": 3})
+    train(config).check()
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [
+        "step_00000003", "step_00000006", "step_00000007", "step_00000008"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000008"
+
+
+@pytest.fixture
+def small_disk(tmp_path, runs):
+    """A tmpfs that holds one checkpoint of the 1-process dense run but not two (needs root; skipped
+    otherwise)."""
+    size = sum(p.stat().st_size for p in (runs(0, 1, 1) / "checkpoints" / "step_00000004").iterdir())
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_keeps_the_previous_checkpoint(dataset, tmp_path, small_disk):
+    out = tmp_path / "out"
+    cfg = tiny_config(dataset, out, checkpoint={"dir": str(small_disk / "checkpoints")})
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("megasparse: error:")]
+    assert lines == [f"megasparse: error: could not write checkpoint step_00000008 (rank 0, "
+                     f"mp_rank_00_model_states.pt: No space left on device (0 bytes free)); the last complete checkpoint, "
+                     f"{small_disk / 'checkpoints' / 'step_00000004'}, is intact"], result.stderr[-2000:]
+    assert sorted(p.name for p in (small_disk / "checkpoints").iterdir() if p.name.startswith((".", "step"))) == [
+        "step_00000004"]
+    assert verify_checkpoint(small_disk / "checkpoints" / "step_00000004") is None
+
+
+def test_unwritable_checkpoint_directory_fails_before_training(dataset, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    cfg = tiny_config(dataset, tmp_path / "out", checkpoint={"dir": str(tmp_path / "file" / "checkpoints")})
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 2
+    assert f"megasparse: error: cannot write checkpoints to {tmp_path / 'file' / 'checkpoints'}: Not a directory" \
+        in result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "out")
