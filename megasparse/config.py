@@ -218,9 +218,9 @@ class Config:
         _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
         _require(o.eps > 0, "optimizer.eps", "must be > 0")
         _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+        _require(t.steps > 0, "training.steps", "must be > 0")
         _require(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps", f"must be in [0, training.steps={t.steps}]")
         _require(0 < o.decay_fraction <= 1, "optimizer.decay_fraction", "must be in (0, 1]")
-        _require(t.steps > 0, "training.steps", "must be > 0")
         _require(t.micro_batch_size > 0, "training.micro_batch_size", "must be > 0")
         _require(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
                  f"{t.global_batch_size} is not a multiple of training.micro_batch_size={t.micro_batch_size}")
@@ -237,6 +237,9 @@ class Config:
         _require(self.logging.log_interval > 0, "logging.log_interval", "must be > 0")
         _require(self.parallel.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
         _require(self.parallel.heartbeat_seconds >= 0, "parallel.heartbeat_seconds", "must be >= 0")
+        from megasparse.train.deepspeed_config import check_passthrough  # (imports this module)
+
+        check_passthrough(self.deepspeed)
         # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
         # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
         _require(t.precision == "fp32" or self.parallel.zero_stage > 0, "training.precision",

@@ -257,8 +257,9 @@ def test_damaged_checkpoint(runs, tmp_path, case, command):
 
 def test_shard_of_another_model(runs, tmp_path):
     dense = trained(runs, "dense", 2, 2, 1)
-    copy = broken_copy(trained(runs, "smet", 2, 2, 1), tmp_path,
-                       lambda c: shutil.copyfile(dense / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
+    # without the manifest (which would catch the swap first), the files are checked against the model
+    swap = without_manifest(lambda c: shutil.copyfile(dense / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
+    copy = broken_copy(trained(runs, "smet", 2, 2, 1), tmp_path, swap)
     result = megasparse("convert", "consolidate", str(copy), "--out", str(tmp_path / "out"))
     one_error_line(result, "does not hold the model of its megasparse.json")
     assert not (tmp_path / "out").exists()

@@ -162,9 +162,9 @@ def start_ranks(config: Path, faults: str, nproc: int = 2) -> list[subprocess.Po
 
 
 def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
-    """Rank 1 hangs (SIGSTOP) at step 5: rank 0 waits in a collective that never returns (DeepSpeed's
-    shared-memory CPU all-reduce has no timeout); after parallel.timeout_minutes (15 s here) without
-    progress its heartbeat thread names rank 1 and ends it, instead of waiting forever."""
+    """Rank 1 hangs (SIGSTOP) at step 5: rank 0 waits in a collective that does not return (DeepSpeed's
+    shared-memory CPU all-reduce has no timeout) or times out; after parallel.timeout_minutes (15 s here)
+    it names rank 1 and exits, instead of waiting forever."""
     config = fault_config(dataset, tmp_path / "out", "dense", parallel={"timeout_minutes": 0.25})
     ranks = start_ranks(config, "stop@5:1")
     try:
@@ -176,7 +176,8 @@ def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
             proc.kill()
             proc.communicate()
     assert ranks[0].returncode == 2
-    assert "megasparse: error: rank 0: no progress for" in stderr
+    # the watchdog's line (a collective with no timeout) or the trainer's (a collective that timed out)
+    assert "megasparse: error: rank 0: " in stderr
     assert "rank 1 stopped responding (no heartbeat for 3 s: dead or hung)" in stderr
     assert waited < 90
 

@@ -30,8 +30,7 @@ _DERIVED = {
 
 def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:
     """Return the dict handed to ``deepspeed.initialize(config=...)``."""
-    cfg.validate(data_parallel_size)
-    _check_passthrough(cfg.deepspeed)
+    cfg.validate(data_parallel_size)  # includes check_passthrough
     t = cfg.training
     derived: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
@@ -48,7 +47,8 @@ def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:
     return _merge(copy.deepcopy(cfg.deepspeed), derived)
 
 
-def _check_passthrough(block: dict[str, Any]) -> None:
+def check_passthrough(block: dict[str, Any]) -> None:
+    """Refuse keys of the ``deepspeed:`` block that megasparse derives (one source for each number)."""
     for key, source in _DERIVED.items():
         section, _, leaf = key.partition(".")
         node = block.get(section)
