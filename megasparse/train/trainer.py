@@ -36,9 +36,9 @@ from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.watchdog import Heartbeat
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.topology import TopologyUpdater
-from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, check_same_model, complete_checkpoints, load_checkpoint,
-                                         resolve_resume, rng_state, same_layout, save_checkpoint, set_rng_state,
-                                         tag_for)
+from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, check_same_model, complete_checkpoints,
+                                         load_checkpoint, resolve_resume, rng_state, same_layout, save_checkpoint,
+                                         set_rng_state, tag_for)
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.durable import RecordingCheckpointEngine, remove_partials, verify_on_all_ranks
 from megasparse.train.faults import at_step_start, poison_loss
@@ -58,8 +58,7 @@ def train(cfg: Config, resume: str | None = None) -> "Trainer":
                           cfg.parallel.timeout_minutes * 60) if world > 1 and cfg.parallel.heartbeat_seconds > 0 else None
     trainer = None
     try:
-        trainer = Trainer(cfg, parallel, resume)
-        trainer.heartbeat = heartbeat
+        trainer = Trainer(cfg, parallel, resume, heartbeat)
         trainer.run()
     except RuntimeError as exc:  # gloo reports a lost peer as a plain RuntimeError, NCCL as DistBackendError
         silent = heartbeat.diagnosis() if heartbeat else None
@@ -98,8 +97,9 @@ def load_or_prepare(cfg: Config) -> PreparedData:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, parallel: ParallelState, resume: str | None) -> None:
-        self.cfg, self.parallel = cfg, parallel
+    def __init__(self, cfg: Config, parallel: ParallelState, resume: str | None,
+                 heartbeat: Heartbeat | None = None) -> None:
+        self.cfg, self.parallel, self.heartbeat = cfg, parallel, heartbeat
         self.dp_rank, self.dp_size = parallel.data_parallel_rank, parallel.data_parallel_size
         self.dp_group = parallel.data_parallel_group
         t = cfg.training
@@ -140,7 +140,6 @@ class Trainer:
         self.device = self.engine.device
         self.engine.checkpoint_engine = RecordingCheckpointEngine(self.engine.checkpoint_engine)
         self.skipped_steps = self.consecutive_skips = 0
-        self.heartbeat: Heartbeat | None = None  # set by train() on several ranks
 
         def fragments(param: torch.nn.Parameter):
             return optimizer_fragments(self.engine, self.optimizer, param)
