@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,13 +107,21 @@ DAMAGE = {
 }
 
 
+@pytest.fixture(scope="module")
+def finished_run(dataset, tmp_path_factory) -> Path:
+    """The SMET fault configuration trained to the end once, checkpoints at steps 2, 4, 6 and 8."""
+    out = tmp_path_factory.mktemp("finished") / "out"
+    train(fault_config(dataset, out, "smet")).check()
+    return out
+
+
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_checkpoint_is_skipped(runs, dataset, tmp_path, damage):
+def test_damaged_checkpoint_is_skipped(runs, dataset, tmp_path, finished_run, damage):
     """The newest checkpoint is damaged after the run: --resume auto warns, takes the one before and
     retrains the last steps to the same weights (the damaged checkpoint is replaced)."""
     out = tmp_path / "out"
+    shutil.copytree(finished_run, out)
     config = fault_config(dataset, out, "smet")
-    train(config).check()
     harm, problem = DAMAGE[damage]
     harm(out / "checkpoints" / "step_00000008")
     resumed = train(config, "--resume", "auto").check()
