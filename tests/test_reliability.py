@@ -284,3 +284,16 @@ def test_unwritable_checkpoint_directory_fails_before_training(dataset, tmp_path
     assert f"megasparse: error: cannot write checkpoints to {tmp_path / 'file' / 'checkpoints'}: Not a directory" \
         in result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "out")
+
+
+def test_pruning_spares_the_new_checkpoint_and_later_ones(tmp_path):
+    """After a resume from an earlier checkpoint, a newer (say damaged) one exists: pruning counts only the
+    checkpoints before the one just written and never removes that one."""
+    from megasparse.train.checkpoint import complete_checkpoints
+    from megasparse.train.durable import prune
+
+    for step in (2, 4, 6, 9):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "megasparse.json").write_text("{}")
+    prune(complete_checkpoints(tmp_path), tmp_path / "step_00000006", keep_last=2, keep_every=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000006", "step_00000009"]

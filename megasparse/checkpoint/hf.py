@@ -98,16 +98,24 @@ def read_hf_folder(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
 
 def megasparse_config(hf: dict[str, Any], layer: str, overrides: dict[str, dict[str, Any]]) -> Config:
     """The megasparse config of a Hugging Face LLaMA config (refusing what the model does not implement)."""
+    if not isinstance(hf, dict):
+        raise UserError("the Hugging Face config.json is not a JSON object")
+    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+               if key not in hf]
+    if missing:
+        raise UserError(f"the Hugging Face config.json has no {', '.join(missing)}")
+    rope = hf.get("rope_parameters") or {}
     unsupported = {"model_type": hf.get("model_type") != "llama", "hidden_act": hf.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(hf.get("attention_bias")), "mlp_bias": bool(hf.get("mlp_bias")),
-                   "rope_scaling": bool(hf.get("rope_scaling"))}
+                   "rope_scaling": bool(hf.get("rope_scaling")),
+                   "rope_parameters.rope_type": rope.get("rope_type", "default") not in ("default", None)}
     for key, bad in unsupported.items():
         if bad:
-            raise UserError(f"the Hugging Face model has {key}={hf.get(key)!r}, which megasparse's LLaMA does not implement")
+            value = rope.get("rope_type") if key.startswith("rope_parameters") else hf.get(key)
+            raise UserError(f"the Hugging Face model has {key}={value!r}, which megasparse's LLaMA does not implement")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
         raise UserError("the Hugging Face model's head_dim x num_attention_heads differs from hidden_size")
-    rope = hf.get("rope_parameters") or {}
     model = {"preset": "", "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads,
              "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_dim": hf["intermediate_size"],
              "norm_eps": hf.get("rms_norm_eps", 1e-6), "rope_theta": hf.get("rope_theta", rope.get("rope_theta", 1e4)),

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -114,15 +114,18 @@ def new_directory(out: Path):
     succeeds and is removed when it fails, so a failed conversion leaves nothing behind."""
     if out.exists():
         raise UserError(f"output '{out}' already exists; choose another --out (nothing was overwritten)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         yield tmp
         os.replace(tmp, out)
-    except OSError as exc:
-        raise UserError(f"could not write '{out}': {exc.strerror or exc}") from None
+    except (OSError, RuntimeError, SafetensorError) as exc:  # torch.save and safetensors report I/O errors so too
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
+        raise UserError(f"could not write '{out}': {reason}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_model_directory(directory: Path, tensors: dict[str, torch.Tensor], cfg: Config, vocab_size: int,
@@ -166,6 +169,8 @@ def init_from_directory(model: nn.Module, directory: Path, cfg: Config, vocab_si
     check_model(config_from_dict(json.loads(metadata["config"])), cfg, source)
     if int(metadata["vocab_size"]) != vocab_size:
         raise UserError(f"{source} has vocabulary size {metadata['vocab_size']}, the data's tokenizer {vocab_size}")
+    if not (directory / TOKENIZER_FILE).is_file():
+        raise UserError(f"{source} has no {TOKENIZER_FILE}")
     if file_sha256(directory / TOKENIZER_FILE) != tokenizer_sha256:
         raise UserError(f"{source} was made with another tokenizer than the data at {cfg.data.path}")
     whole = training_tensors(tensors, reference_model(cfg, vocab_size), source)

@@ -186,13 +186,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def prune(directory: Path, complete: list[Path], keep_last: int, keep_every: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep_last`` except multiples of ``keep_every``
-    (``keep_last`` 0 keeps all); returns what was removed."""
+def prune(complete: list[Path], newest: Path, keep_last: int, keep_every: int) -> list[Path]:
+    """Delete complete checkpoints older than ``newest`` (the one just written) beyond the newest
+    ``keep_last`` except multiples of ``keep_every`` (``keep_last`` 0 keeps all); returns what was removed.
+    Checkpoints of higher steps (a run resumed from an earlier one) are left alone, and so is ``newest``."""
     if keep_last <= 0:
         return []
     removed = []
-    for tag_dir in complete[:-keep_last]:
+    older = [tag_dir for tag_dir in complete if tag_dir.name < newest.name]
+    for tag_dir in older[:max(0, len(older) - (keep_last - 1))]:
         step = int(tag_dir.name.split("_")[1])
         if keep_every <= 0 or step % keep_every:
             shutil.rmtree(tag_dir, ignore_errors=True)
@@ -200,13 +202,28 @@ def prune(directory: Path, complete: list[Path], keep_last: int, keep_every: int
     return removed
 
 
+def keep_recovery_script_errors(engine, recorder: "RecordingCheckpointEngine") -> None:
+    """DeepSpeed's save also copies its recovery scripts (zero_to_fp32.py) on one rank, outside the
+    checkpoint engine; record a failure there too instead of raising between collectives."""
+    copy = engine._copy_recovery_script
+
+    def guarded(save_path):
+        try:
+            copy(save_path)
+        except OSError as exc:
+            recorder.error = recorder.error or f"recovery script: {exc.strerror or exc}"
+
+    engine._copy_recovery_script = guarded
+
+
 def verify_checkpoint(tag_dir: Path, share: tuple[int, int] = (0, 1)) -> str | None:
-    """What is wrong with ``tag_dir`` by its manifest (missing, truncated or altered files), or None;
+    """What is wrong with ``tag_dir`` by its manifest (missing, truncated or altered files), or None (also
+    for a checkpoint without a manifest, from before manifests existed);
     ``share`` = (i, n) checks every n-th file from the i-th, so that n ranks split the reading."""
     try:
         files = json.loads((tag_dir / MANIFEST_FILE).read_text())["files"]
-    except FileNotFoundError:
-        return f"it has no {MANIFEST_FILE}"
+    except FileNotFoundError:  # written before manifests existed: nothing to check it against
+        return None
     except (OSError, ValueError, KeyError, TypeError):
         return f"its {MANIFEST_FILE} is unreadable"
     index, count = share

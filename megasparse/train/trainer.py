@@ -40,7 +40,8 @@ from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, check
                                          load_checkpoint, resolve_resume, rng_state, same_layout, save_checkpoint,
                                          set_rng_state, tag_for)
 from megasparse.train.deepspeed_config import deepspeed_config
-from megasparse.train.durable import RecordingCheckpointEngine, remove_partials, verify_on_all_ranks
+from megasparse.train.durable import (RecordingCheckpointEngine, keep_recovery_script_errors, remove_partials,
+                                      verify_on_all_ranks)
 from megasparse.train.faults import at_step_start, poison_loss
 from megasparse.train.guard import NonFiniteGuard
 from megasparse.train.metrics import MetricsLogger
@@ -139,6 +140,7 @@ class Trainer:
         )
         self.device = self.engine.device
         self.engine.checkpoint_engine = RecordingCheckpointEngine(self.engine.checkpoint_engine)
+        keep_recovery_script_errors(self.engine, self.engine.checkpoint_engine)
         self.skipped_steps = self.consecutive_skips = 0
 
         def fragments(param: torch.nn.Parameter):
