@@ -41,8 +41,6 @@ from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.yaml"
-SPARSE_FORMS = ("masked", "dense", "compact")
-LOWRANK_FORMS = ("factors", "dense")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
