@@ -21,10 +21,10 @@ def newton_schulz(m: torch.Tensor, tp: TensorParallel, steps: int = 5, eps: floa
     the row blocks. Returns this rank's rows of the result, in fp32."""
     a, b, c = NS_COEFFICIENTS
     x = m.float()
-    x = x / (all_reduce(x.square().sum(), tp).sqrt() + eps)
+    x = x / (all_reduce(torch.linalg.vector_norm(x).square(), tp).sqrt() + eps)
     for _ in range(steps):
         gram = all_reduce(x.T @ x, tp)
-        x = a * x + x @ (b * gram + c * gram @ gram)
+        x = torch.addmm(x, x, torch.addmm(gram, gram, gram, beta=b, alpha=c), beta=a)  # fused: no n x r temporaries
     return x
 
 
@@ -34,7 +34,7 @@ def power_iteration(x: torch.Tensor, v: torch.Tensor, tp: TensorParallel) -> tup
     sigma = ||w||, v' = w / sigma. Returns (sigma, v'), in fp32."""
     x = x.float()
     u = x @ v
-    u = u / all_reduce(u.square().sum(), tp).sqrt().clamp(min=torch.finfo(torch.float32).tiny)
+    u = u / all_reduce(torch.linalg.vector_norm(u).square(), tp).sqrt().clamp(min=torch.finfo(torch.float32).tiny)
     w = all_reduce(x.T @ u, tp)
     sigma = w.norm()
     return sigma, w / sigma.clamp(min=torch.finfo(torch.float32).tiny)

@@ -126,15 +126,20 @@ class Spectron(torch.optim.Optimizer):
         ortho_a = newton_schulz(self._whole(a), pair.tp if pair.a_split else whole, self.ns_steps)
         ortho_b = newton_schulz(self._whole(b).T, pair.tp if pair.b_split else whole, self.ns_steps).T
         for param, ortho in ((a, ortho_a), (b, ortho_b)):
-            flat = ortho.reshape(-1)
+            update = ortho.reshape(-1).mul_(rho)  # ortho is a fresh tensor: scale it in place
             for f in self.fragments(param):
                 piece = f.owner.view(-1)[f.offset:f.offset + f.numel]
-                piece.mul_(1 - lr * decay).sub_(flat[f.start:f.start + f.numel].to(piece.dtype) * rho)
+                if decay:
+                    piece.mul_(1 - lr * decay)
+                piece.sub_(update[f.start:f.start + f.numel].to(piece.dtype))
 
     def _whole(self, param: nn.Parameter) -> torch.Tensor:
         """The momentum direction of the whole (tensor-parallel shard of the) factor ``param``."""
+        fragments = self.fragments(param)
+        if not self.partitioned and fragments[0].owner is param:  # ZeRO-0: the optimizer holds the parameter itself
+            return self._directions[id(param)].float()
         whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-        for f in self.fragments(param):
+        for f in fragments:
             direction = self._directions[id(f.owner)].reshape(-1)
             whole[f.start:f.start + f.numel] = direction[f.offset:f.offset + f.numel]
         if self.partitioned:
