@@ -1,6 +1,8 @@
 """Helpers for tests that run megasparse in real processes."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -103,6 +105,21 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
     proc = subprocess.run(commands[launcher], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
                           env=base_env)
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def megasparse_here(*args: str) -> Result:
+    """Run ``megasparse ARGS`` in this process, for the commands that start no process group (``inspect``,
+    ``convert``): the same parser, commands and error handling as the program, without the few seconds a
+    new interpreter takes to import torch (the program's entry point is run by the process tests)."""
+    from megasparse.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 def one_error_line(result, expected: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import final_weights, megasparse, one_error_line, tiny_config, train_losses, write_config
+from helpers import final_weights, megasparse, megasparse_here, one_error_line, tiny_config, train_losses, write_config
 
 from megasparse.checkpoint.files import open_checkpoint, reference_model
 from megasparse.checkpoint.state import read_training_state
@@ -83,7 +83,7 @@ def test_consolidated_forms(runs, tmp_path):
     smet, spectron = trained(runs, "smet", 2, 2, 1), trained(runs, "spectron", 2, 2, 2)
     for source, name, flags in [(smet, "masked", []), (smet, "compact", ["--sparse", "compact"]),
                                 (spectron, "factors", []), (spectron, "dense", ["--lowrank", "dense"])]:
-        megasparse("convert", "consolidate", str(source), "--out", str(tmp_path / name), *flags).check()
+        megasparse_here("convert", "consolidate", str(source), "--out", str(tmp_path / name), *flags).check()
     assert {"config.yaml", "tokenizer.model", "model.safetensors"} == {p.name for p in (tmp_path / "masked").iterdir()}
     assert read_model_directory(tmp_path / "masked")[1]["step"] == "8"
     tokens = torch.randint(0, 400, (2, 16))
@@ -107,7 +107,7 @@ def test_export_hf_logits_and_tokenizer(runs, tmp_path, method, zero, nproc, tp)
     """`transformers` loads the export; its logits equal the megasparse model's within 1e-4 (fp32) and its
     tokenizer encodes like the SentencePiece model the data was made with."""
     tag = trained(runs, method, zero, nproc, tp)
-    megasparse("convert", "export-hf", str(tag), "--out", str(tmp_path / "hf")).check()
+    megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "hf")).check()
     checkpoint = open_checkpoint(tag)
     state = read_training_state(checkpoint)
     ours = Llama(checkpoint.config.model, 400, layer_factory(checkpoint.config)).eval()
@@ -133,13 +133,13 @@ def first_batch_loss(model: torch.nn.Module, dataset: Path, seed: int) -> float:
 @pytest.fixture(scope="module")
 def hf_model(runs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf") / "model"
-    megasparse("convert", "export-hf", str(trained(runs, "dense", 0, 1, 1)), "--out", str(out)).check()
+    megasparse_here("convert", "export-hf", str(trained(runs, "dense", 0, 1, 1)), "--out", str(out)).check()
     return out
 
 
 def imported(hf_model: Path, out: Path, *flags: str) -> dict[str, torch.Tensor]:
     """``import-hf`` the folder into ``out``; the model directory's tensors."""
-    megasparse("convert", "import-hf", str(hf_model), "--out", str(out), *flags).check()
+    megasparse_here("convert", "import-hf", str(hf_model), "--out", str(out), *flags).check()
     return read_model_directory(out)[0]
 
 
@@ -195,12 +195,12 @@ def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_inspect(runs):
-    result = megasparse("inspect", str(trained(runs, "spectron", 2, 2, 2).parent)).check()
+    result = megasparse_here("inspect", str(trained(runs, "spectron", 2, 2, 2).parent)).check()
     for expected in ["step 8, 2,048 tokens", "2 tensor-parallel x 1 data-parallel (2 processes), ZeRO-2, fp32",
                      "optimizer    spectron", "layers.1.mlp.down_proj", "rank 44", "all present and readable",
                      "zero_pp_rank_0_mp_rank_01_optim_states.pt"]:
         assert expected in result.stdout
-    result = megasparse("inspect", str(trained(runs, "smet", 2, 2, 1))).check()
+    result = megasparse_here("inspect", str(trained(runs, "smet", 2, 2, 1))).check()
     assert "density 0.3000 (1,229 active)" in result.stdout
 
 
@@ -252,7 +252,7 @@ def test_damaged_checkpoint(runs, tmp_path, case, command):
     damage, message = BAD_CHECKPOINTS[case]
     copy = broken_copy(trained(runs, "smet", 2, 2, 1), tmp_path, damage)
     out = ["--out", str(tmp_path / "out")] if command[0] == "convert" else []
-    one_error_line(megasparse(*command, str(copy), *out), message)
+    one_error_line(megasparse_here(*command, str(copy), *out), message)
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
 
 
@@ -261,29 +261,29 @@ def test_shard_of_another_model(runs, tmp_path):
     # without the manifest (which would catch the swap first), the files are checked against the model
     swap = without_manifest(lambda c: shutil.copyfile(dense / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
     copy = broken_copy(trained(runs, "smet", 2, 2, 1), tmp_path, swap)
-    result = megasparse("convert", "consolidate", str(copy), "--out", str(tmp_path / "out"))
+    result = megasparse_here("convert", "consolidate", str(copy), "--out", str(tmp_path / "out"))
     one_error_line(result, "does not hold the model of its megasparse.json")
     assert not (tmp_path / "out").exists()
 
 
 def test_bad_paths_and_outputs(runs, tmp_path, hf_model):
     tag = trained(runs, "dense", 0, 1, 1)
-    one_error_line(megasparse("convert", "consolidate", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")),
+    one_error_line(megasparse_here("convert", "consolidate", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")),
                    "does not exist")
-    one_error_line(megasparse("inspect", str(tmp_path)), "is not a megasparse checkpoint")
+    one_error_line(megasparse_here("inspect", str(tmp_path)), "is not a megasparse checkpoint")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    one_error_line(megasparse("convert", "export-hf", str(tag), "--out", str(tmp_path / "taken")), "already exists")
+    one_error_line(megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "taken")), "already exists")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
-    one_error_line(megasparse("convert", "import-hf", str(tmp_path / "taken"), "--out", str(tmp_path / "o")),
+    one_error_line(megasparse_here("convert", "import-hf", str(tmp_path / "taken"), "--out", str(tmp_path / "o")),
                    "is not a Hugging Face model folder (no config.json)")
-    one_error_line(megasparse("convert", "import-hf", str(hf_model), "--out", str(tmp_path / "o"), "--layer", "lowrank",
+    one_error_line(megasparse_here("convert", "import-hf", str(hf_model), "--out", str(tmp_path / "o"), "--layer", "lowrank",
                               "--rank", "64"), "lowrank: rank 64 for q_proj (64 x 64) must be in (0, 64)")
     assert not (tmp_path / "o").exists()
 
 
 def test_init_from_another_model(runs, dataset, tmp_path):
-    megasparse("convert", "consolidate", str(trained(runs, "dense", 0, 1, 1)), "--out", str(tmp_path / "model")).check()
+    megasparse_here("convert", "consolidate", str(trained(runs, "dense", 0, 1, 1)), "--out", str(tmp_path / "model")).check()
     cfg = tiny_config(dataset, tmp_path / "out", model={"n_layers": 3}, checkpoint={"init_from": str(tmp_path / "model")})
     one_error_line(megasparse("train", str(write_config(tmp_path / "run.yaml", cfg))),
                    "is for another model: model.n_layers=2, this config has 3")

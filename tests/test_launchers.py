@@ -157,7 +157,7 @@ def test_slurm_names_why_sbatch_refused(slurm, dataset, tmp_path):
 def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tmp_path):
     """SIGUSR1 to a running job (as --signal=USR1@60 sends before the time limit): checkpoint at the
     next step, requeue, resume; the final weights equal an uninterrupted job's."""
-    steps = {"steps": 120, "eval_samples": 0}
+    steps = {"steps": 60, "eval_samples": 0}
     plain = _submit(slurm, _config(dataset, tmp_path, "plain", **steps))
     preempted = _submit(slurm, _config(dataset, tmp_path, "preempted", **steps))
     metrics = tmp_path / "preempted" / "metrics.jsonl"
@@ -176,10 +176,10 @@ def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tm
     assert "requeueing job" in batch_log and "restart 1" in batch_log
     stopped = re.search(r"stopped early: (\{.*\})", batch_log)
     interrupted_at = json.loads(stopped[1])["step"]
-    assert 0 < interrupted_at < 120 and json.loads(stopped[1])["signal"] == "SIGUSR1"
+    assert 0 < interrupted_at < 60 and json.loads(stopped[1])["signal"] == "SIGUSR1"
     assert not (tmp_path / "preempted" / "interrupted.json").exists()
     assert slurm.wait_finished(plain)["JobState"] == "COMPLETED"
-    final = {name: checkpoint(tmp_path / name, 120) for name in ("plain", "preempted")}
+    final = {name: checkpoint(tmp_path / name, 60) for name in ("plain", "preempted")}
     assert final["plain"].keys() == final["preempted"].keys()
     for name, tensor in final["plain"].items():
         assert tensor.equal(final["preempted"][name]), name

@@ -56,7 +56,9 @@ def assert_exact(out: Path, uninterrupted: Path, tp: int) -> None:
             assert torch.equal(actual[name], tensor), name
 
 
-@pytest.mark.parametrize("method,seed", [("dense", 0), ("dense", 7), ("smet", 9), ("spectron", 4)])
+# rank 1 killed at step 5 (the survivor names it; the checkpoint of step 4 is the newest) and rank 0, which
+# hosts the rendezvous store, at step 6 (one step lost), with the two optimizers whose state goes beyond Adam's
+@pytest.mark.parametrize("method,seed", [("smet", 9), ("spectron", 10)])
 def test_killed_rank_then_resume_is_exact(runs, dataset, tmp_path, method, seed):
     step, rank = random.Random(seed).randint(2, 8), seed % 2
     out = tmp_path / "out"
@@ -172,9 +174,9 @@ def start_ranks(config: Path, faults: str, nproc: int = 2) -> list[subprocess.Po
 
 def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
     """Rank 1 hangs (SIGSTOP) at step 5: rank 0 waits in a collective that does not return (DeepSpeed's
-    shared-memory CPU all-reduce has no timeout) or times out; after parallel.timeout_minutes (15 s here)
+    shared-memory CPU all-reduce has no timeout) or times out; after parallel.timeout_minutes (9 s here)
     it names rank 1 and exits, instead of waiting forever."""
-    config = fault_config(dataset, tmp_path / "out", "dense", parallel={"timeout_minutes": 0.25})
+    config = fault_config(dataset, tmp_path / "out", "dense", parallel={"timeout_minutes": 0.15})
     ranks = start_ranks(config, "stop@5:1")
     try:
         start = time.monotonic()

@@ -4,7 +4,7 @@ and power vectors), directly or through a universal checkpoint (`megasparse conv
 from __future__ import annotations
 
 import pytest
-from helpers import assert_same_model, checkpoint, megasparse, tiny_config, train_losses, write_config
+from helpers import assert_same_model, checkpoint, megasparse, megasparse_here, tiny_config, train_losses, write_config
 
 from megasparse.checkpoint.files import open_checkpoint
 from megasparse.checkpoint.state import read_training_state
@@ -45,7 +45,7 @@ def test_resume_in_another_layout(runs, dataset, tmp_path, method, saved, resume
     stayed = runs(zero, nproc, 1, method=method, tp=tp)
     source = stayed / "checkpoints" / "step_00000004"
     if universal:
-        megasparse("convert", "reshard", str(source), "--out", str(tmp_path / "universal")).check()
+        megasparse_here("convert", "reshard", str(source), "--out", str(tmp_path / "universal")).check()
         source = tmp_path / "universal"
     zero, nproc, tp = resumed
     cfg = tiny_config(dataset, tmp_path / "out", method, parallel={"zero_stage": zero, "tensor_parallel": tp},
