@@ -30,8 +30,14 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
 
 def shutdown_distributed() -> None:
     """Leave the process group after the last collective: a process that exits with a live gloo or
-    NCCL group can abort in the group's destructor (``terminate called without an active exception``)."""
+    NCCL group can abort in the group's destructor (``terminate called without an active exception``).
+    The ranks first meet in a barrier, so that rank 0 (which hosts the rendezvous store) does not tear
+    the store down while another rank is still finishing; a rank that is already gone only skips it."""
     if torch.distributed.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
         torch.distributed.destroy_process_group()
 
 

@@ -85,4 +85,8 @@ class Heartbeat:
         return f"rank {names} stopped responding (no heartbeat for {3 * self.period_s:g} s: dead or hung)"
 
     def stop(self) -> None:
+        """End the heartbeat and wait for its thread, so that no store request is in flight when the
+        process group (and, on rank 0, the store) is torn down."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(10.0, 3 * self.period_s) + 1.0)
