@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,32 +82,156 @@ class Result:
         return [line for line in self.stderr.splitlines() if line.startswith("megasparse: error:")]
 
 
+class Forked:
+    """A process started by the fork server (forkserver.py), with the parts of ``subprocess.Popen`` the
+    tests use; its standard output and error go to files, read by :meth:`communicate` or :meth:`output`."""
+
+    def __init__(self, server: "ForkServer", ident: str, directory: Path) -> None:
+        self._server, self._id, self._dir = server, ident, directory
+        self.pid: int = server.wait_for(ident, "pid")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self._id)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self._server.wait_for(self._id, "exit", timeout)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(f"forked megasparse {self.pid}", timeout) from None
+        return self.returncode
+
+    def output(self, stream: str = "stderr") -> str:
+        """What the process has written to ``stream`` so far."""
+        return (self._dir / stream).read_text(errors="replace")
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.output("stdout"), self.output("stderr")
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The client of tests/forkserver.py: one server per test session, started on first use."""
+
+    def __init__(self) -> None:
+        self._replies_read, replies_write = os.pipe()
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")),
+                                       str(replies_write)], stdin=subprocess.PIPE, pass_fds=(replies_write,),
+                                      env=os.environ.copy())
+        os.close(replies_write)
+        self._root = Path(tempfile.mkdtemp(prefix="megasparse-forks-"))
+        self._replies: dict[str, dict[str, int]] = {}
+        self._changed = threading.Condition()
+        self._count = itertools.count()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        with os.fdopen(self._replies_read, "rb") as replies:
+            for line in replies:
+                message = json.loads(line)
+                with self._changed:
+                    self._replies.setdefault(message.pop("id"), {}).update(message)
+                    self._changed.notify_all()
+        with self._changed:  # the server is gone: wake every waiter
+            self._replies[None] = {}
+            self._changed.notify_all()
+
+    def wait_for(self, ident: str, key: str, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while key not in self._replies.get(ident, {}):
+                if None in self._replies:
+                    raise RuntimeError("the test fork server has died (see its output above)")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError
+                self._changed.wait(left)
+            return self._replies[ident][key]
+
+    def exit_status(self, ident: str) -> int | None:
+        with self._changed:
+            return self._replies.get(ident, {}).get("exit")
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Forked:
+        ident = str(next(self._count))
+        directory = self._root / ident
+        directory.mkdir()
+        request = {"id": ident, "argv": argv, "env": env, "cwd": str(cwd or Path.cwd()),
+                   "stdout": str(directory / "stdout"), "stderr": str(directory / "stderr")}
+        self._proc.stdin.write((json.dumps(request) + "\n").encode())
+        self._proc.stdin.flush()
+        return Forked(self, ident, directory)
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
+_fork_server: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    global _fork_server
+    if _fork_server is None:
+        _fork_server = ForkServer()
+    return _fork_server
+
+
+def close_fork_server() -> None:
+    global _fork_server
+    if _fork_server is not None:
+        _fork_server.close()
+        _fork_server = None
+
+
+def rank_env(rank: int, nproc: int, port: str) -> dict[str, str]:
+    """The torch.distributed variables of one of ``nproc`` local ranks, as torchrun sets them."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+
+
+def start_ranks(args: list[str], nproc: int, env: dict[str, str] | None = None, cwd: Path | None = None) -> list[Forked]:
+    """``megasparse ARGS`` in ``nproc`` forked rank processes (one process group), not waited for."""
+    port = str(free_port())
+    return [fork_server().spawn(list(args), {**os.environ, **(env or {}), **rank_env(r, nproc, port)}, cwd)
+            for r in range(nproc)]
+
+
 def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str, str] | None = None,
                cwd: Path | None = None) -> Result:
     """Run ``megasparse ARGS`` in ``nproc`` processes started by ``launcher``:
-    ``env`` (one process per rank with the torch.distributed variables, as torchrun does),
-    ``torchrun``, ``deepspeed``, ``mpiexec``, or ``none`` (one plain process: for ``megasparse launch``)."""
-    base_env = {**os.environ, **(env or {})}
-    port = str(free_port())
-    module = [sys.executable, "-m", "megasparse", *args]
-    bindir = Path(sys.executable).parent
-    if launcher == "env":
-        procs = [
-            subprocess.Popen(module, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                             env={**base_env, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
-                                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-            for r in range(nproc)
-        ]
+    ``env`` (one forked process per rank with the torch.distributed variables, as torchrun sets them; see
+    forkserver.py), ``none`` (one forked process without them: for ``megasparse launch``), or for real:
+    ``torchrun``, ``deepspeed`` or ``mpiexec`` (each rank runs ``python -m megasparse``).
+    An ``env`` value of None unsets that variable."""
+    base_env = {key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None}
+    if launcher in ("env", "none"):
+        if launcher == "env":
+            procs = start_ranks(list(args), nproc, base_env, cwd)
+        else:
+            procs = [fork_server().spawn(list(args), base_env, cwd)]
         outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
         return Result(max((p.returncode for p in procs), key=abs), "".join(o for o, _ in outputs),
                       "".join(e for _, e in outputs))
+    port = str(free_port())
+    bindir = Path(sys.executable).parent
     commands = {
         "torchrun": [str(bindir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port,
                      "-m", "megasparse", *args],
         "deepspeed": [str(bindir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
                       "--module", "megasparse", *args],
-        "mpiexec": [str(bindir / "mpiexec"), "-n", str(nproc), *module],
-        "none": module,
+        "mpiexec": [str(bindir / "mpiexec"), "-n", str(nproc), sys.executable, "-m", "megasparse", *args],
     }
     proc = subprocess.run(commands[launcher], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
                           env=base_env)

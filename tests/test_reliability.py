@@ -7,20 +7,17 @@ the process at a chosen step, so the tests are deterministic; signals are sent f
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint, megasparse, tiny_config, train_losses, write_config
+from helpers import checkpoint, megasparse, start_ranks, tiny_config, train_losses, write_config
 
-from megasparse.parallel.launch_env import free_port
 from megasparse.train.durable import verify_checkpoint
 from megasparse.train.metrics import read_metrics
 
@@ -162,14 +159,9 @@ def test_too_many_nonfinite_steps_stop_the_run(dataset, tmp_path):
             in result.stderr)
 
 
-def start_ranks(config: Path, faults: str, nproc: int = 2) -> list[subprocess.Popen]:
-    port = str(free_port())
-    return [subprocess.Popen([sys.executable, "-m", "megasparse", "train", str(config)], text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
-                                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                  "MEGASPARSE_FAULTS": faults})
-            for r in range(nproc)]
+def start_run(config: Path, faults: str) -> list:
+    """The 2 ranks of ``megasparse train CONFIG``, started and not waited for."""
+    return start_ranks(["train", str(config)], 2, env={"MEGASPARSE_FAULTS": faults})
 
 
 def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
@@ -177,7 +169,7 @@ def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
     shared-memory CPU all-reduce has no timeout) or times out; after parallel.timeout_minutes (9 s here)
     it names rank 1 and exits, instead of waiting forever."""
     config = fault_config(dataset, tmp_path / "out", "dense", parallel={"timeout_minutes": 0.15})
-    ranks = start_ranks(config, "stop@5:1")
+    ranks = start_run(config, "stop@5:1")
     try:
         start = time.monotonic()
         _, stderr = ranks[0].communicate(timeout=240)
@@ -193,7 +185,7 @@ def test_hung_rank_is_named_within_the_timeout(dataset, tmp_path):
     assert waited < 90
 
 
-def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen]) -> None:
+def wait_for_step(out: Path, step: int, procs: list) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         if (out / "metrics.jsonl").is_file() and any(
@@ -208,7 +200,7 @@ def test_sigusr1_saves_and_resumes_exactly(runs, dataset, tmp_path):
     bit-identical to the uninterrupted run."""
     out = tmp_path / "out"
     config = fault_config(dataset, out, "dense", checkpoint={"interval": 0, "save_final": True})
-    ranks = start_ranks(config, "")
+    ranks = start_run(config, "")
     wait_for_step(out, 2, ranks)
     ranks[1].send_signal(signal.SIGUSR1)
     results = [proc.communicate(timeout=240) for proc in ranks]
@@ -223,12 +215,13 @@ def test_sigusr1_saves_and_resumes_exactly(runs, dataset, tmp_path):
 def test_second_sigterm_exits_at_once_and_keeps_the_last_checkpoint(dataset, tmp_path):
     out = tmp_path / "out"
     config = fault_config(dataset, out, "dense", training={"steps": 400}, checkpoint={"interval": 2})
-    ranks = start_ranks(config, "")
+    ranks = start_run(config, "slow@5-400:0")  # from step 5 each step takes rank 0 over a second
     wait_for_step(out, 4, ranks)
     ranks[0].send_signal(signal.SIGTERM)  # the scheduler's SIGTERM ...
-    for line in ranks[0].stderr:  # ... is recorded (the step is still running) ...
-        if "SIGTERM received" in line:
-            break
+    deadline = time.monotonic() + 240  # ... is recorded (the step is still running) ...
+    while "SIGTERM received" not in ranks[0].output("stderr"):
+        assert time.monotonic() < deadline and ranks[0].poll() is None
+        time.sleep(0.01)
     ranks[0].send_signal(signal.SIGTERM)  # ... and a second one comes before the step ends
     assert ranks[0].wait(timeout=60) == -signal.SIGTERM
     ranks[1].kill()
