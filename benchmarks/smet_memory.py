@@ -30,8 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers, short_run_overrides,  # noqa: E402
-                    start_trainer, write_report)
+from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers,  # noqa: E402
+                    short_run_overrides, start_trainer, write_report)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BOUNDS = {"optimizer_state": (1.15, 0.02), "persistent": (1.4, 0.02), "grad_reduced": (1.05, 0.01)}
@@ -74,8 +74,8 @@ def _ratios(smet: dict, dense: dict, density: float) -> dict:
 def _worker(a: dict, result: Path) -> None:
     import deepspeed.comm as dist
 
+    from megasparse.optim.partitions import optimizer_fragments
     from megasparse.sparse.layer import SparseLinear
-    from megasparse.train.partitions import optimizer_fragments
 
     sparse = a["density"] is not None
     method = (["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers, short_run_overrides,  # noqa: E402
-                    start_trainer, write_report)
+from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers,  # noqa: E402
+                    short_run_overrides, start_trainer, write_report)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,11 +60,12 @@ def _layer_traffic(a: dict) -> list[dict]:
 
     from megasparse.config import load_config
     from megasparse.lowrank.layers import LowRankLinear
-    from megasparse.model.layers import COLUMN_ROLES, projection_shapes
-    from megasparse.parallel.groups import create_groups
-    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megasparse.parallel.launch_env import discover_launch_env
+    from megasparse.model.factory import projection_shapes
+    from megasparse.model.layers import COLUMN_ROLES
     from megasparse.parallel.distributed import init_distributed
+    from megasparse.parallel.groups import create_groups
+    from megasparse.parallel.launch_env import discover_launch_env
+    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megasparse.parallel.mappings import TensorParallel
 
     init_distributed(discover_launch_env(), 30.0)

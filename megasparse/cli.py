@@ -8,8 +8,8 @@ import sys
 
 import yaml
 
-from megasparse.checkpoint.cli import add_checkpoint_commands
 from megasparse.config import Config, load_config
+from megasparse.convert.cli import add_checkpoint_commands
 from megasparse.errors import UserError
 from megasparse.launch.cli import add_launch_commands
 

@@ -237,9 +237,7 @@ class Config:
         _require(self.logging.log_interval > 0, "logging.log_interval", "must be > 0")
         _require(self.parallel.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
         _require(self.parallel.heartbeat_seconds >= 0, "parallel.heartbeat_seconds", "must be >= 0")
-        from megasparse.train.deepspeed_config import check_passthrough  # (imports this module)
-
-        check_passthrough(self.deepspeed)
+        _check_deepspeed_block(self.deepspeed)
         # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
         # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
         _require(t.precision == "fp32" or self.parallel.zero_stage > 0, "training.precision",
@@ -293,6 +291,31 @@ class Config:
                  "sparse (SMET) models run with tensor_parallel=1 (data parallel and ZeRO only)")
         for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_dim", m.ffn_dim)):
             _require(value % t == 0, "parallel.tensor_parallel", f"{t} does not divide {key}={value}")
+
+
+# DeepSpeed keys that megasparse derives, and the config key that sets each one.
+DERIVED_DEEPSPEED_KEYS = {
+    "train_batch_size": "training.global_batch_size",
+    "train_micro_batch_size_per_gpu": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.global_batch_size / (micro_batch_size x processes)",
+    "gradient_clipping": "training.grad_clip",
+    "bf16": "training.precision",
+    "fp16": "training.precision",
+    "data_types": "training.precision (gradients accumulate in the model's dtype)",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "optimizer": "the optimizer section (megasparse passes its own client optimizer)",
+    "scheduler": "optimizer.schedule (megasparse passes its own scheduler)",
+}
+
+
+def _check_deepspeed_block(block: dict[str, Any]) -> None:
+    """Refuse keys of the ``deepspeed:`` block that megasparse derives (one source for each number)."""
+    for key, source in DERIVED_DEEPSPEED_KEYS.items():
+        section, _, leaf = key.partition(".")
+        node = block.get(section)
+        present = section in block if not leaf else isinstance(node, dict) and leaf in node
+        if present:
+            raise ConfigError(f"deepspeed.{key}: derived by megasparse; set {source} instead")
 
 
 def _require(ok: bool, key: str, why: str) -> None:

@@ -35,8 +35,8 @@ def serve(replies: int) -> None:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported by the first torch.optim.Optimizer: 1.5 s)
 
-    import megasparse.checkpoint.cli  # noqa: F401
     import megasparse.cli  # noqa: F401
+    import megasparse.convert.cli  # noqa: F401
     import megasparse.train.trainer  # noqa: F401
 
     requests = sys.stdin.fileno()

@@ -18,7 +18,7 @@ from megasparse.config import config_from_dict
 from megasparse.data.loader import PretrainingBatches
 from megasparse.data.shards import open_prepared
 from megasparse.data.tokenizer import load_tokenizer
-from megasparse.model.layers import layer_factory
+from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
 
 transformers = pytest.importorskip("transformers")

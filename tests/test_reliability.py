@@ -2,7 +2,7 @@
 written, damaged checkpoints, stop signals and non-finite losses. After each fault the run resumes with
 `--resume auto` and must end bit-identical to the uninterrupted run (tiny_config's, trained by `runs`).
 
-Faults come from MEGASPARSE_FAULTS (megasparse/train/faults.py): the kill, hang and NaN happen inside
+Faults come from MEGASPARSE_FAULTS (megasparse/faults.py): the kill, hang and NaN happen inside
 the process at a chosen step, so the tests are deterministic; signals are sent from outside."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import checkpoint, megasparse, start_ranks, tiny_config, train_losses, write_config
 
-from megasparse.train.durable import verify_checkpoint
+from megasparse.checkpoint.durable import verify_checkpoint
 from megasparse.train.metrics import read_metrics
 
 # method -> (ZeRO stage, tensor-parallel degree) of its 2-rank run
@@ -284,8 +284,8 @@ def test_unwritable_checkpoint_directory_fails_before_training(dataset, tmp_path
 def test_pruning_spares_the_new_checkpoint_and_later_ones(tmp_path):
     """After a resume from an earlier checkpoint, a newer (say damaged) one exists: pruning counts only the
     checkpoints before the one just written and never removes that one."""
-    from megasparse.train.checkpoint import complete_checkpoints
-    from megasparse.train.durable import prune
+    from megasparse.checkpoint.durable import prune
+    from megasparse.checkpoint.files import complete_checkpoints
 
     for step in (2, 4, 6, 9):
         (tmp_path / f"step_{step:08d}").mkdir()

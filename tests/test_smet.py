@@ -8,13 +8,13 @@ from torch import nn
 
 from megasparse.config import config_from_dict
 from megasparse.errors import ConfigError
-from megasparse.model.layers import projection_shapes
+from megasparse.model.factory import projection_shapes
+from megasparse.optim.partitions import Fragment
 from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import MATURE
 from megasparse.sparse.topology import TopologyUpdater, choose_regrowth, prune_fraction
 from megasparse.train.optim import build_optimizer
-from megasparse.train.partitions import Fragment
 
 
 def sparse_config(**sections):

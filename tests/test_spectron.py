@@ -9,10 +9,10 @@ from megasparse.errors import ConfigError
 from megasparse.lowrank.layers import LowRankLinear, balanced_factors
 from megasparse.lowrank.linalg import newton_schulz
 from megasparse.lowrank.spectron import factor_pairs
-from megasparse.model.layers import layer_factory
+from megasparse.model.factory import layer_factory
+from megasparse.optim.partitions import Fragment
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.train.optim import build_optimizer
-from megasparse.train.partitions import Fragment
 
 WHOLE = TensorParallel()
 

@@ -3,18 +3,21 @@
 A checkpoint is a tag directory ``step_<8 digits>/`` written by DeepSpeed plus megasparse's own:
 
     megasparse.json                              step, data position, config, layout (written last)
+    manifest.json                                size and SHA-256 of every other file (durable.py)
     tokenizer.model                              the SentencePiece model of the training data
     mp_rank_<t>_model_states.pt                  per tensor-parallel rank t: module weights, scheduler,
                                                  client state; at ZeRO-0 also the optimizer state
     zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt per (data-parallel rank d, t) at ZeRO-1/2: fp32 master
                                                  partition and optimizer state
 
-or, after ``megasparse convert reshard``, a layout-free "universal" checkpoint (see state.py).
+or, after ``megasparse convert reshard``, a layout-free "universal" checkpoint (see state.py): the
+same megasparse files with ``weights.safetensors``, ``optimizer.safetensors`` and ``state.pt``.
 The names, whole shapes and tensor-parallel split of every tensor are read off the model itself,
 built on the meta device from the checkpoint's config, so they can never drift from the layers.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,14 +27,54 @@ from typing import Any
 import torch
 from torch import nn
 
+from megasparse.checkpoint.durable import MANIFEST_FILE, verify_checkpoint
 from megasparse.config import Config, config_from_dict
+from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
+from megasparse.model.factory import layer_factory
+from megasparse.model.llama import Llama
 from megasparse.parallel.mappings import TensorParallel
-from megasparse.train.checkpoint import META_FILE, CheckpointMeta, complete_checkpoints
-from megasparse.train.durable import MANIFEST_FILE, verify_checkpoint
 
-TOKENIZER_FILE = "tokenizer.model"
+META_FILE, TOKENIZER_FILE = "megasparse.json", "tokenizer.model"
 UNIVERSAL = "universal"
+WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE = "weights.safetensors", "optimizer.safetensors", "state.pt"
+UNIVERSAL_FILES = [WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE]
+_TAG = re.compile(r"^step_\d{8}$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass
+class CheckpointMeta:
+    """The contents of ``megasparse.json``."""
+
+    step: int
+    consumed_samples: int
+    tokens: int
+    config: dict[str, Any]
+    vocab_size: int
+    tokenizer_sha256: str
+    world_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int = 1
+    format: str = "deepspeed"  # or "universal" (megasparse convert reshard)
+
+    @classmethod
+    def read(cls, tag_dir: Path) -> "CheckpointMeta":
+        try:
+            return cls(**json.loads((tag_dir / META_FILE).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"checkpoint '{tag_dir}' has an unreadable {META_FILE}: {exc}") from None
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Tag directories with their completion file, oldest first."""
+    if not directory.is_dir():
+        return []
+    tags = [p for p in directory.iterdir() if _TAG.match(p.name) and (p / META_FILE).is_file()]
+    return sorted(tags, key=lambda p: p.name)
 
 
 def model_file(tensor_parallel_rank: int) -> str:
@@ -58,9 +101,6 @@ def load_file(path: Path) -> Any:
 def reference_model(cfg: Config, vocab_size: int, tp: TensorParallel = TensorParallel()) -> nn.Module:
     """The model of ``cfg`` as tensor-parallel rank ``tp.rank`` of ``tp.size`` holds it, on the meta device
     (shapes, names and split dimensions only; nothing is allocated)."""
-    from megasparse.model.layers import layer_factory
-    from megasparse.model.llama import Llama
-
     with torch.device("meta"):
         return Llama(cfg.model, vocab_size, layer_factory(cfg, tp))
 
@@ -96,8 +136,6 @@ class Checkpoint:
 
     def files(self) -> list[Path]:
         """Every file the checkpoint's layout needs."""
-        from megasparse.checkpoint.state import UNIVERSAL_FILES
-
         names = [META_FILE]
         if self.universal:
             names += UNIVERSAL_FILES
@@ -119,17 +157,12 @@ class Checkpoint:
     def tokenizer(self) -> Path:
         """The tokenizer the model was trained with: the checkpoint's copy, or the training data's if it
         is the same file (checkpoints written before the copy was added)."""
-        from megasparse.data.tokenizer import file_sha256
-
         candidates = [self.tag_dir / TOKENIZER_FILE, Path(self.config.data.path) / TOKENIZER_FILE]
         for path in candidates:
             if path.is_file() and file_sha256(path) == self.meta.tokenizer_sha256:
                 return path
         raise UserError(f"checkpoint '{self.tag_dir}' has no copy of its tokenizer and the training data's "
                         f"({candidates[1]}) is missing or another one")
-
-
-_STEP_TAG = re.compile(r"^step_\d{8}$")
 
 
 def open_checkpoint(path: str | Path, verify: bool = True) -> Checkpoint:
@@ -142,7 +175,7 @@ def open_checkpoint(path: str | Path, verify: bool = True) -> Checkpoint:
     if not (path / META_FILE).is_file():
         found = complete_checkpoints(path) or complete_checkpoints(path / "checkpoints")
         if not found:
-            hint = " (its completion file megasparse.json is missing)" if _STEP_TAG.match(path.name) else ""
+            hint = " (its completion file megasparse.json is missing)" if _TAG.match(path.name) else ""
             raise UserError(f"'{path}' is not a megasparse checkpoint{hint}")
         path = found[-1]
     checkpoint = Checkpoint(path, CheckpointMeta.read(path))

@@ -16,7 +16,7 @@ universal-checkpoint converter it assumes no particular state keys, so SMET and 
 reshard like AdamW's.
 
 :func:`apply_training_state` writes such a state into a live engine of any tensor-parallel and
-data-parallel size and ZeRO stage, fragment by fragment (:mod:`megasparse.train.partitions`).
+data-parallel size and ZeRO stage, fragment by fragment (:mod:`megasparse.optim.partitions`).
 :func:`save_universal` stores it layout-free (safetensors for the tensors), which is what
 ``megasparse convert reshard`` writes.
 """
@@ -34,16 +34,15 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 from torch import nn
 
-from megasparse.checkpoint.files import (TOKENIZER_FILE, UNIVERSAL, Checkpoint, load_file, model_file,
+from megasparse.checkpoint.durable import write_manifest
+from megasparse.checkpoint.files import (META_FILE, OPTIMIZER_FILE, TOKENIZER_FILE, UNIVERSAL, VALUES_FILE,
+                                         WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, model_file,
                                          optimizer_file, reference_model, split_dimensions)
 from megasparse.errors import UserError
+from megasparse.optim.groups import parameter_groups
+from megasparse.optim.partitions import optimizer_fragments
 from megasparse.parallel.mappings import TensorParallel
-from megasparse.train.checkpoint import META_FILE, CheckpointMeta
-from megasparse.train.durable import write_manifest
-from megasparse.train.partitions import optimizer_fragments
 
-WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE = "weights.safetensors", "optimizer.safetensors", "state.pt"
-UNIVERSAL_FILES = [WEIGHTS_FILE, OPTIMIZER_FILE, VALUES_FILE]
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
@@ -117,8 +116,6 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
 def _zero0_optimizer_state(saved: dict | None, checkpoint: Checkpoint, model: nn.Module,
                            path: Path) -> dict[str, dict[str, Any]]:
     """The client optimizer's state dict, keyed by parameter name instead of position."""
-    from megasparse.train.optim import parameter_groups
-
     if not saved or "state" not in saved:
         raise UserError(f"'{path}' has no optimizer state (ZeRO-0 keeps it in the module file)")
     names = {id(p): name for name, p in model.named_parameters()}
@@ -155,8 +152,6 @@ def _zero_partitions(checkpoint: Checkpoint, t: int, shapes: list[dict[str, Any]
 def _share_group_values(optimizer: dict[str, dict[str, Any]], model: nn.Module, cfg) -> None:
     """Give every parameter of an optimizer group its group's values (a ZeRO-0 optimizer keeps some,
     such as Spectron's power vectors, with the group's first parameter only), as ZeRO-1/2 files have them."""
-    from megasparse.train.optim import parameter_groups
-
     names = {id(p): name for name, p in model.named_parameters()}
     for group in parameter_groups(model, cfg):
         entries = [optimizer[names[id(p)]] for p in group["params"] if names[id(p)] in optimizer]

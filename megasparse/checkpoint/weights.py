@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,8 +32,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from megasparse.checkpoint.files import TOKENIZER_FILE
+from megasparse.checkpoint.compat import check_same_model
+from megasparse.checkpoint.files import TOKENIZER_FILE, reference_model
+from megasparse.checkpoint.state import local_shard
 from megasparse.config import Config, config_from_dict
+from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.parallel.mappings import TensorParallel
@@ -155,16 +157,12 @@ def read_model_directory(directory: Path) -> tuple[dict[str, torch.Tensor], dict
 
 @torch.no_grad()
 def init_from_directory(model: nn.Module, directory: Path, cfg: Config, vocab_size: int, tokenizer_sha256: str,
-                        tp: TensorParallel, check_model: Callable[[Config, Config, str], None]) -> None:
+                        tp: TensorParallel) -> None:
     """Set ``model`` (this rank's tensor-parallel part) to the weights of a model directory, after checking
-    it holds this model (``check_model``), vocabulary and tokenizer."""
-    from megasparse.checkpoint.files import reference_model
-    from megasparse.checkpoint.state import local_shard
-    from megasparse.data.tokenizer import file_sha256
-
+    it holds this model, vocabulary and tokenizer."""
     tensors, metadata = read_model_directory(directory)
     source = f"checkpoint.init_from '{directory}'"
-    check_model(config_from_dict(json.loads(metadata["config"])), cfg, source)
+    check_same_model(config_from_dict(json.loads(metadata["config"])), cfg, source)
     if int(metadata["vocab_size"]) != vocab_size:
         raise UserError(f"{source} has vocabulary size {metadata['vocab_size']}, the data's tokenizer {vocab_size}")
     if not (directory / TOKENIZER_FILE).is_file():

@@ -96,7 +96,7 @@ def _local(args: argparse.Namespace) -> None:
 
 
 def _slurm(args: argparse.Namespace) -> None:
-    from megasparse.train.checkpoint import complete_checkpoints
+    from megasparse.checkpoint.files import complete_checkpoints
 
     cfg = cmd.checked_config(args.config, args.overrides, args.nodes * args.procs_per_node)
     output_dir = Path(cfg.training.output_dir).resolve()

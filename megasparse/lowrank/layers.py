@@ -43,6 +43,7 @@ class LowRankLinear(nn.Module):
         a, b = balanced_factors(normal(out_features, in_features, std=init_std), rank)
         self.A = sharded_parameter(a, tp, dim=0 if parallel == "column" else None)
         self.B = sharded_parameter(b, tp, dim=1 if parallel == "row" else None)
+        self.A.lowrank_factor = self.B.lowrank_factor = True  # their optimizer group (megasparse.optim.groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.B)

@@ -40,9 +40,9 @@ from torch import nn
 
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
+from megasparse.optim.adamw import adamw_update
+from megasparse.optim.partitions import Fragment
 from megasparse.parallel.mappings import TensorParallel
-from megasparse.train.adamw import adamw_update
-from megasparse.train.partitions import Fragment
 
 
 @dataclass

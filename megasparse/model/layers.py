@@ -2,8 +2,8 @@
 
 The model never names a layer class. It asks a factory for its token embedding, for each
 attention and MLP projection by role, and for the output head (which also owns the loss, so
-that a vocabulary-parallel head can compute it on split logits). ``layer_factory`` picks the
-factory from ``model.layer`` and the tensor-parallel degree, the way torchtitan keeps
+that a vocabulary-parallel head can compute it on split logits). ``factory.layer_factory`` picks
+the factory from ``model.layer`` and the tensor-parallel degree, the way torchtitan keeps
 ``parallelize`` apart from the model:
 
 - ``DenseLayers``: ``nn.Embedding``, ``nn.Linear``, a linear head with cross-entropy;
@@ -25,13 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megasparse.config import Config, ModelConfig
-from megasparse.errors import ConfigError
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                         VocabParallelHead, normal)
 from megasparse.parallel.mappings import TensorParallel
-from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 
 Role = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -126,46 +123,3 @@ class LowRankLayers:
             return self.base.projection(in_features, out_features, role, init_std)
         parallel = None if self.tp.size == 1 else "column" if role in COLUMN_ROLES else "row"
         return LowRankLinear(in_features, out_features, self.ranks[role], init_std, self.tp, parallel)
-
-
-def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
-    """Each projection role's (in, out) shape and how many layers have it, read off the model
-    itself (built on the meta device)."""
-    from megasparse.model.llama import Llama
-
-    shapes: dict[str, tuple[int, int]] = {}
-    counts: dict[str, int] = {}
-
-    class Recorder(DenseLayers):
-        def projection(self, in_features, out_features, role, init_std):
-            shapes[role] = (in_features, out_features)
-            counts[role] = counts.get(role, 0) + 1
-            return super().projection(in_features, out_features, role, init_std)
-
-    with torch.device("meta"):
-        Llama(model, vocab_size=1, layers=Recorder())
-    return shapes, counts
-
-
-def low_ranks(cfg: Config) -> dict[str, int]:
-    """Each low-rank role's rank: ``lowrank.rank``, or ``lowrank.rank_ratio`` x in_features, checked."""
-    shapes, _ = projection_shapes(cfg.model)
-    ranks = {}
-    for role in cfg.lowrank.targets:
-        in_features, out_features = shapes[role]
-        rank = cfg.lowrank.rank or round(cfg.lowrank.rank_ratio * in_features)
-        if not 0 < rank < min(in_features, out_features):
-            raise ConfigError(f"lowrank: rank {rank} for {role} ({out_features} x {in_features}) must be in "
-                              f"(0, {min(in_features, out_features)})")
-        ranks[role] = rank
-    return ranks
-
-
-def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel()) -> LayerFactory:
-    """The factory for ``model.layer`` on ``tp``'s tensor-parallel group."""
-    if cfg.model.layer == "sparse":
-        shapes, counts = projection_shapes(cfg.model)
-        targets = {role: shapes[role] for role in cfg.sparse.targets}
-        return SparseLayers(layer_densities(targets, counts, cfg.sparse))
-    base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
-    return LowRankLayers(base, tp, low_ranks(cfg)) if cfg.model.layer == "lowrank" else base

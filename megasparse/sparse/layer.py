@@ -48,6 +48,7 @@ class SparseLinear(nn.Module):
         positions = torch.randperm(numel)[:nnz].sort().values
         self.register_buffer("index", positions.to(torch.int32))
         self.values = nn.Parameter(torch.randn(nnz) * init_std)
+        self.values.sparse_density = density  # its optimizer group (megasparse.optim.groups)
         self.dense_grad: torch.Tensor | None = None
 
     @property

@@ -8,7 +8,7 @@ For active slot i with gradient g_i (Kingma & Ba 2015, Algorithm 1; Loshchilov &
     lr_i = lr * min(1, t_i / W)              (regrown slots only; SMET's slot warm-up)
     w_i <- w_i (1 - lr_i wd) - lr_i * [m_i / (1 - b1^t_i)] / (sqrt(v_i / (1 - b2^t_i)) + eps)
 
-and the sparse groups' ``lr`` is lr_0 * d^(-p) (set by :func:`smet_parameter_groups`). A
+and the sparse groups' ``lr`` is lr_0 * d^(-p) (set by :func:`megasparse.optim.groups.parameter_groups`). A
 regrown slot restarts with zero moments and t_i = 1, so its first step is lr_i * g/|g| =
 lr / W rather than the (1 - b1) / sqrt(1 - b2) ~ 3.16 lr (b2 = 0.999) that one shared step
 count gives it. ``per_slot_steps=False`` is the naive mode: one global step, no warm-up, no
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megasparse.train.adamw import adamw_update
+from megasparse.optim.adamw import adamw_update
 
 MATURE = 255
 _COHORTS = 256

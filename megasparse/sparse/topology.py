@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from megasparse.config import SparseConfig
+from megasparse.optim.partitions import Fragment
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import SMETAdam
-from megasparse.train.partitions import Fragment
 
 
 def prune_fraction(cfg: SparseConfig, step: int, total_steps: int) -> float:

@@ -1,1 +1,2 @@
-"""Training: the DeepSpeed config (deepspeed_config.py), optimizer and schedule, checkpoints, metrics and the loop (trainer.py)."""
+"""Training: the DeepSpeed config (deepspeed_config.py), the client optimizer and schedule, checkpoints
+through the engine (checkpoint.py), the numerical guard, stop signals, metrics and the loop (trainer.py)."""

@@ -19,6 +19,10 @@ import yaml
 from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 
+from megasparse.checkpoint.compat import check_compatible, same_layout
+from megasparse.checkpoint.durable import (RecordingCheckpointEngine, keep_recovery_script_errors, remove_partials,
+                                           verify_on_all_ranks)
+from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, tag_for
 from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import Config, config_from_dict
 from megasparse.data.corpus import describe_sources
@@ -27,26 +31,22 @@ from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import INDEX_FILE, PreparedData, open_prepared
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
-from megasparse.model.layers import layer_factory
-from megasparse.model.llama import Llama, num_parameters
+from megasparse.faults import at_step_start, poison_loss
 from megasparse.lowrank.spectron import Spectron, factor_pairs
+from megasparse.model.factory import layer_factory
+from megasparse.model.llama import Llama, num_parameters
+from megasparse.optim.partitions import optimizer_fragments
 from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
-from megasparse.parallel.watchdog import Heartbeat
 from megasparse.parallel.mappings import TensorParallel
+from megasparse.parallel.watchdog import Heartbeat
 from megasparse.sparse.topology import TopologyUpdater
-from megasparse.train.checkpoint import (CheckpointMeta, check_compatible, check_same_model, complete_checkpoints,
-                                         load_checkpoint, resolve_resume, rng_state, same_layout, save_checkpoint,
-                                         set_rng_state, tag_for)
+from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from megasparse.train.deepspeed_config import deepspeed_config
-from megasparse.train.durable import (RecordingCheckpointEngine, keep_recovery_script_errors, remove_partials,
-                                      verify_on_all_ranks)
-from megasparse.train.faults import at_step_start, poison_loss
 from megasparse.train.guard import NonFiniteGuard
 from megasparse.train.metrics import MetricsLogger
 from megasparse.train.optim import build_optimizer
-from megasparse.train.partitions import optimizer_fragments
 from megasparse.train.preemption import StopRequests, clear_marker, write_marker
 from megasparse.train.schedule import LearningRateSchedule
 
@@ -126,7 +126,7 @@ class Trainer:
         model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp))
         if cfg.checkpoint.init_from and not self.resume_from:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
-                                self.data.tokenizer_sha256, tp, check_same_model)
+                                self.data.tokenizer_sha256, tp)
             _log(f"initialised the model from {cfg.checkpoint.init_from}")
         self.num_parameters = num_parameters(model)
         self.ds_config = deepspeed_config(cfg, self.dp_size)

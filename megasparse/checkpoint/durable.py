@@ -31,8 +31,8 @@ from typing import Any
 
 import deepspeed.comm as dist
 
+from megasparse import faults
 from megasparse.errors import UserError
-from megasparse.train import faults
 
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"

@@ -65,7 +65,7 @@ def _dtype(parser: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace) -> None:
     from megasparse.checkpoint.files import open_checkpoint
-    from megasparse.checkpoint.inspect import describe
+    from megasparse.convert.inspect import describe
 
     print("\n".join(describe(open_checkpoint(args.checkpoint))))
 
@@ -80,8 +80,8 @@ def _whole_state(args: argparse.Namespace):
 
 def _consolidate(args: argparse.Namespace) -> None:
     from megasparse.checkpoint.files import reference_model
-    from megasparse.checkpoint.weights import DTYPES, MODEL_FILE, cast, new_directory, portable_tensors, \
-        write_model_directory
+    from megasparse.checkpoint.weights import (DTYPES, MODEL_FILE, cast, new_directory, portable_tensors,
+                                               write_model_directory)
 
     checkpoint, state, tokenizer = _whole_state(args)
     model = reference_model(checkpoint.config, state.meta.vocab_size)
@@ -96,9 +96,9 @@ def _consolidate(args: argparse.Namespace) -> None:
 
 
 def _reshard(args: argparse.Namespace) -> None:
+    from megasparse.checkpoint.files import tag_for
     from megasparse.checkpoint.state import save_universal
     from megasparse.checkpoint.weights import new_directory
-    from megasparse.train.checkpoint import tag_for
 
     checkpoint, state, tokenizer = _whole_state(args)
     out = Path(args.out)
@@ -109,8 +109,8 @@ def _reshard(args: argparse.Namespace) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    from megasparse.checkpoint.hf import write_hf_folder
     from megasparse.checkpoint.weights import DTYPES, new_directory
+    from megasparse.convert.hf import write_hf_folder
 
     checkpoint, state, tokenizer = _whole_state(args)
     with new_directory(Path(args.out)) as tmp:
@@ -120,9 +120,9 @@ def _export_hf(args: argparse.Namespace) -> None:
 
 
 def _import_hf(args: argparse.Namespace) -> None:
-    from megasparse.checkpoint.hf import convert_projections, megasparse_config, read_hf_folder
-    from megasparse.checkpoint.weights import new_directory, portable_tensors, write_model_directory
     from megasparse.checkpoint.files import reference_model
+    from megasparse.checkpoint.weights import (new_directory, portable_tensors, write_model_directory)
+    from megasparse.convert.hf import (convert_projections, megasparse_config, read_hf_folder)
     from megasparse.data.tokenizer import load_tokenizer
 
     hf, weights, tokenizer = read_hf_folder(Path(args.hf_folder))

@@ -1,0 +1,56 @@
+"""Whether a checkpoint (or a model directory) can continue this run, and in which way.
+
+A checkpoint continues a run only with the same model, vocabulary, tokenizer, precision, optimizer
+and sparse or low-rank shapes; each mismatch is refused in one line naming the key. The layout
+(tensor-parallel and data-parallel degree, ZeRO stage) may differ: :func:`same_layout` tells whether
+DeepSpeed's own loader can restore it or the whole state must be resharded.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megasparse.checkpoint.files import CheckpointMeta
+from megasparse.config import Config, config_from_dict
+from megasparse.errors import UserError
+
+
+def same_layout(meta: CheckpointMeta, cfg: Config, data_parallel_size: int) -> bool:
+    """Whether DeepSpeed's own loader can restore the checkpoint into this run's layout."""
+    saved_stage, stage = config_from_dict(meta.config).parallel.zero_stage, cfg.parallel.zero_stage
+    return meta.format == "deepspeed" and meta.tensor_parallel_size == cfg.parallel.tensor_parallel and (
+        saved_stage == stage == 0 or (saved_stage > 0 and stage > 0 and meta.data_parallel_size == data_parallel_size))
+
+
+def check_same_model(saved: Config, cfg: Config, source: str) -> None:
+    """Fail with one line if ``source`` (described by ``saved``) holds another model than ``cfg`` (the
+    initialisation scale and preset name aside)."""
+    for key, ours in cfg.model.__dict__.items():
+        theirs = getattr(saved.model, key)
+        if key == "n_kv_heads":  # 0 means n_heads
+            theirs, ours = saved.model.kv_heads, cfg.model.kv_heads
+        if key not in ("preset", "init_std") and theirs != ours:
+            raise UserError(f"{source} is for another model: model.{key}={theirs}, this config has {ours}")
+
+
+def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokenizer_sha256: str,
+                     tag_dir: Path) -> None:
+    """Fail with one line if the checkpoint cannot continue this run."""
+    saved = config_from_dict(meta.config)
+    check_same_model(saved, cfg, f"checkpoint '{tag_dir}'")
+    if meta.vocab_size != vocab_size:
+        raise UserError(f"checkpoint '{tag_dir}' has vocabulary size {meta.vocab_size}, the data's tokenizer {vocab_size}")
+    if meta.tokenizer_sha256 != tokenizer_sha256:
+        raise UserError(f"checkpoint '{tag_dir}' was trained with another tokenizer than the data at {cfg.data.path}")
+    if saved.training.precision != cfg.training.precision:
+        raise UserError(f"checkpoint '{tag_dir}' is {saved.training.precision}; this config trains in "
+                        f"{cfg.training.precision}")
+    keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
+                                              if cfg.model.layer == "sparse" else [])
+    for key in keys:
+        section, name = key.split(".")
+        theirs, ours = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        if theirs != ours:
+            raise UserError(f"checkpoint '{tag_dir}' was trained with {key}={theirs}; this config has {ours}")
+    if cfg.model.layer == "lowrank" and (saved.lowrank.rank, saved.lowrank.rank_ratio, saved.lowrank.targets) != (
+            cfg.lowrank.rank, cfg.lowrank.rank_ratio, cfg.lowrank.targets):
+        raise UserError(f"checkpoint '{tag_dir}' has other low-rank factor shapes (lowrank.rank, rank_ratio, targets)")

@@ -1,0 +1,57 @@
+"""The layer factory for a config: which layers (dense, sparse, low-rank; tensor-parallel or not) the
+model is built from, with each sparse projection's density and each low-rank projection's rank.
+
+The projections' shapes are read off the model itself (built on the meta device with a recording
+factory), so densities and ranks can never disagree with the layers the model asks for.
+"""
+from __future__ import annotations
+
+import torch
+
+from megasparse.config import Config, ModelConfig
+from megasparse.errors import ConfigError
+from megasparse.model.layers import DenseLayers, LayerFactory, LowRankLayers, SparseLayers, TensorParallelLayers
+from megasparse.model.llama import Llama
+from megasparse.parallel.mappings import TensorParallel
+from megasparse.sparse.density import layer_densities
+
+
+def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """Each projection role's (in, out) shape and how many layers have it, read off the model
+    itself (built on the meta device)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    counts: dict[str, int] = {}
+
+    class Recorder(DenseLayers):
+        def projection(self, in_features, out_features, role, init_std):
+            shapes[role] = (in_features, out_features)
+            counts[role] = counts.get(role, 0) + 1
+            return super().projection(in_features, out_features, role, init_std)
+
+    with torch.device("meta"):
+        Llama(model, vocab_size=1, layers=Recorder())
+    return shapes, counts
+
+
+def low_ranks(cfg: Config) -> dict[str, int]:
+    """Each low-rank role's rank: ``lowrank.rank``, or ``lowrank.rank_ratio`` x in_features, checked."""
+    shapes, _ = projection_shapes(cfg.model)
+    ranks = {}
+    for role in cfg.lowrank.targets:
+        in_features, out_features = shapes[role]
+        rank = cfg.lowrank.rank or round(cfg.lowrank.rank_ratio * in_features)
+        if not 0 < rank < min(in_features, out_features):
+            raise ConfigError(f"lowrank: rank {rank} for {role} ({out_features} x {in_features}) must be in "
+                              f"(0, {min(in_features, out_features)})")
+        ranks[role] = rank
+    return ranks
+
+
+def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel()) -> LayerFactory:
+    """The factory for ``model.layer`` on ``tp``'s tensor-parallel group."""
+    if cfg.model.layer == "sparse":
+        shapes, counts = projection_shapes(cfg.model)
+        targets = {role: shapes[role] for role in cfg.sparse.targets}
+        return SparseLayers(layer_densities(targets, counts, cfg.sparse))
+    base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
+    return LowRankLayers(base, tp, low_ranks(cfg)) if cfg.model.layer == "lowrank" else base

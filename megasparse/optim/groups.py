@@ -1,0 +1,39 @@
+"""The client optimizer's parameter groups, read off the parameters themselves.
+
+Layers mark the parameters that need their own treatment, as Megatron marks tensor-parallel ones
+(``tensor_model_parallel``): SMET's compact weight vectors carry ``sparse_density`` (their layer's
+density d), the factors A and B of a low-rank projection carry ``lowrank_factor``. The groups never
+name a layer class, so this module sits below the method packages that define the layers.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from megasparse.config import Config
+
+
+def parameter_groups(model: nn.Module, cfg: Config) -> list[dict]:
+    """Weight decay on matrices (projections, embeddings, head), none on vectors (norm gains).
+
+    The active weights of each sparse projection form groups by density d, flagged ``sparse``;
+    with SMET their learning rate is lr * d^(-p) (p = ``smet.density_lr_power``, 0 in naive mode).
+    With Spectron the low-rank factors form one group, flagged ``spectron``, at ``spectron.lr``.
+    The order of groups and of parameters in them is fixed: a ZeRO-0 checkpoint names optimizer
+    state by position in it.
+    """
+    wd, lr = cfg.optimizer.weight_decay, cfg.optimizer.lr
+    power = cfg.smet.density_lr_power if cfg.smet.mode == "smet" else 0.0
+    params = [p for p in model.parameters() if p.requires_grad]
+    sparse: dict[float, list[nn.Parameter]] = {}
+    for p in params:
+        if getattr(p, "sparse_density", None) is not None:
+            sparse.setdefault(p.sparse_density, []).append(p)
+    factors = [p for p in params if getattr(p, "lowrank_factor", False)] if cfg.optimizer.name == "spectron" else []
+    special = {id(p) for group in sparse.values() for p in group} | {id(p) for p in factors}
+    rest = [p for p in params if id(p) not in special]
+    groups = [{"params": group, "sparse": True, "density": d, "lr": lr * d**-power, "weight_decay": wd}
+              for d, group in sorted(sparse.items())]
+    groups += [{"params": factors, "spectron": True, "lr": cfg.spectron.lr, "weight_decay": wd}]
+    groups += [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": wd},
+               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
