@@ -10,10 +10,9 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megasparse", "megasparse.*"]) + ["megasparse.configs"],
-    # The run configs live at the top level (configs/) and ship inside the package, so that
-    # `megasparse train NAME` finds them after a plain (non-editable) install too.
-    package_dir={"megasparse.configs": "configs"},
+    packages=find_packages(include=["megasparse", "megasparse.*"]),
+    # The run configs and the sbatch template are package data: every copy of the package (a source
+    # tree, an editable or a plain install) has them next to its modules.
     package_data={"megasparse.configs": ["*.yaml"], "megasparse.launch": ["*.sbatch"]},
     install_requires=[
         "torch>=2.4",

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("config", nargs=None if required else "?", metavar="CONFIG",
-                        help="a YAML file or the name of a shipped config (configs/NAME.yaml)")
+                        help="a YAML file or the name of a shipped config (megasparse/configs/NAME.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable)")
 

@@ -336,7 +336,8 @@ def _plain(value: Any) -> Any:
 
 
 def shipped_configs() -> dict[str, Path]:
-    """The run configs that ship with megasparse (the repository's ``configs/``), by name."""
+    """The run configs that ship with megasparse (``megasparse/configs/``), by name: those of the copy of
+    the package Python imported, whether a source tree or an installed one."""
     root = importlib.resources.files("megasparse.configs")
     return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
 
