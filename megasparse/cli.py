@@ -81,6 +81,7 @@ def _prepare_data(args: argparse.Namespace) -> None:
              "vocab_size": args.vocab_size, "path": args.out}
     overrides = args.overrides + [f"data.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     cfg: Config = load_config(args.config, overrides)
+    cfg.check_paths(["data.path", "data.tokenizer"])
     data = prepare_data(cfg.data)
     splits = ", ".join(f"{name} {split['tokens']:,} tokens in {split['documents']:,} documents"
                        for name, split in data.index["splits"].items())

@@ -3,15 +3,22 @@
 A config is built in three layers, later ones winning: the dataclass defaults, the YAML file,
 then ``--set section.key=value`` overrides. ``model.preset`` fills the model shape from
 :data:`megasparse.model.presets.MODEL_PRESETS`; keys written next to it override the preset.
-Every key is checked for name and type while it is read, and the values are checked together
-afterwards (:meth:`Config.validate`); each problem raises :class:`ConfigError` naming the key.
+Every key is declared once, in its section: its type, its default and, for a number, the values it may
+take (:func:`number`; a section refuses a number without bounds), for a path, what it must name
+(:func:`path_key`). Every key is checked for name and type while it is read; then each number against
+its bounds and the keys together (:meth:`Config.validate`, which reads no file), and the paths against
+the file system when a command is about to use them (:meth:`Config.check_paths`). Each problem raises
+:class:`ConfigError` naming the key.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
+import os
 import types
 import typing
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +29,83 @@ from megasparse.errors import ConfigError
 from megasparse.model.presets import MODEL_PRESETS
 
 
-@dataclass
+# ----------------------------------------------------------------------------- declaring keys
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a number may take: ``gt`` < x, ``ge`` <= x, x < ``lt``, x <= ``le`` (each optional), finite.
+    A bound may be another key's name ("optimizer.lr"): the value of that key in the same config."""
+
+    gt: float | str | None = None
+    ge: float | str | None = None
+    lt: float | str | None = None
+    le: float | str | None = None
+    hint: str = ""  # said after the rule, e.g. how to satisfy it
+
+    @property
+    def relative(self) -> bool:
+        """Whether a bound is another key."""
+        return any(isinstance(b, str) for b in (self.gt, self.ge, self.lt, self.le))
+
+    def problem(self, value: float, cfg: "Config") -> str | None:
+        """What is wrong with ``value`` (None if it is within the bounds)."""
+        if not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        bound = {name: cfg.get(b) if isinstance(b, str) else b for name, b in self.__dict__.items() if name != "hint"}
+        ok = ((bound["gt"] is None or value > bound["gt"]) and (bound["ge"] is None or value >= bound["ge"])
+              and (bound["lt"] is None or value < bound["lt"]) and (bound["le"] is None or value <= bound["le"]))
+        return None if ok else f"must be {self.rule(cfg)}, got {value}" + (f" ({self.hint})" if self.hint else "")
+
+    def rule(self, cfg: "Config") -> str:
+        def show(b: float | str) -> str:
+            return f"{b}={cfg.get(b)}" if isinstance(b, str) else f"{b:g}" if isinstance(b, float) else str(b)
+
+        low, low_open = (self.gt, True) if self.gt is not None else (self.ge, False)
+        high, high_open = (self.lt, True) if self.lt is not None else (self.le, False)
+        if low is not None and high is not None:
+            return f"in {'(' if low_open else '['}{show(low)}, {show(high)}{')' if high_open else ']'}"
+        if low is not None:
+            return f"{'>' if low_open else '>='} {show(low)}"
+        return f"{'<' if high_open else '<='} {show(high)}"
+
+
+PathKind = Literal["output_directory", "existing_directory", "existing_file"]
+
+
+def number(default: Any, *, gt: float | str | None = None, ge: float | str | None = None,
+           lt: float | str | None = None, le: float | str | None = None, hint: str = "") -> Any:
+    """A numeric key (int, float, or a tuple of them, bounded elementwise) and the values it may take."""
+    return field(default=default, metadata={"bounds": Bounds(gt, ge, lt, le, hint)})
+
+
+def path_key(default: str, kind: PathKind) -> Any:
+    """A path key: ``output_directory`` (an existing directory, or one that can be created: megasparse writes
+    there), ``existing_directory`` or ``existing_file`` (read); empty means unset."""
+    return field(default=default, metadata={"path": kind})
+
+
+def section(cls: type) -> type:
+    """A config section: a dataclass whose every number declares its bounds (:func:`number`), so that no
+    numeric key can be added unchecked."""
+    cls = dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if _numeric(hints[f.name]) and "bounds" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name}: a numeric config key needs bounds (declare it with number())")
+    return cls
+
+
+def _numeric(kind: Any) -> bool:
+    if typing.get_origin(kind) is tuple:
+        return all(_numeric(k) for k in typing.get_args(kind))
+    return kind in (int, float)
+
+
+# ----------------------------------------------------------------------------- the sections
+
+
+@section
 class ModelConfig:
     """LLaMA decoder shape. The vocabulary size comes from the tokenizer, not from here.
 
@@ -31,15 +114,15 @@ class ModelConfig:
     """
 
     preset: str = "llama-9m"
-    dim: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    n_kv_heads: int = 0  # 0: as many as n_heads (multi-head attention); fewer: grouped-query attention
-    ffn_dim: int = 0
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    dim: int = number(0, gt=0, hint="set it or choose model.preset")
+    n_layers: int = number(0, gt=0, hint="set it or choose model.preset")
+    n_heads: int = number(0, gt=0, hint="set it or choose model.preset")
+    n_kv_heads: int = number(0, ge=0)  # 0: as many as n_heads (multi-head attention); fewer: grouped-query attention
+    ffn_dim: int = number(0, gt=0, hint="set it or choose model.preset")
+    norm_eps: float = number(1e-5, gt=0)
+    rope_theta: float = number(10000.0, gt=0)
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = number(0.02, gt=0)
     layer: Literal["dense", "sparse", "lowrank"] = "dense"  # the attention/MLP projections: see `sparse`, `lowrank`
 
     @property
@@ -47,123 +130,123 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
 
-@dataclass
+@section
 class DataConfig:
     """Where the packed token shards are, and how ``prepare-data`` makes them."""
 
-    path: str = "data/stdlib"  # prepared dataset: index.json, token shards, tokenizer.model
-    seq_len: int = 256
+    path: str = path_key("data/stdlib", "output_directory")  # prepared dataset (index.json, shards, tokenizer.model)
+    seq_len: int = number(256, ge=2)
     files: list[str] = field(default_factory=list)  # .txt/.jsonl/.json/.parquet files or globs
     hf_dataset: str = ""  # a Hugging Face hub dataset, streamed (needs network)
     hf_subset: str = ""
     hf_split: str = "train"
     text_field: str = "text"
-    tokenizer: str = ""  # an existing sentencepiece model; empty: train one on the data
-    vocab_size: int = 8000  # size of the tokenizer that prepare-data trains
+    tokenizer: str = path_key("", "existing_file")  # an existing sentencepiece model; empty: train one on the data
+    vocab_size: int = number(8000, ge=300, hint="256 byte pieces plus specials")  # of the tokenizer prepare-data trains
     val_files: list[str] = field(default_factory=list)  # validation text; empty: hold out val_fraction
-    val_fraction: float = 0.01  # fraction of documents held out for validation (without val_files)
-    max_documents: int = 0  # 0: all documents
-    shard_tokens: int = 100_000_000
-    workers: int = 0  # tokenizer processes; 0: one per CPU core (at most 8)
+    val_fraction: float = number(0.01, ge=0, lt=1)  # fraction of documents held out for validation (without val_files)
+    max_documents: int = number(0, ge=0)  # 0: all documents
+    shard_tokens: int = number(100_000_000, gt=0)
+    workers: int = number(0, ge=0)  # tokenizer processes; 0: one per CPU core (at most 8)
 
 
-@dataclass
+@section
 class OptimizerConfig:
     """Client optimizer and its learning-rate schedule."""
 
     name: Literal["adamw", "smet", "spectron"] = "adamw"  # smet: sparse models; spectron: low-rank models
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = number(3e-4, gt=0)
+    min_lr: float = number(3e-5, ge=0, le="optimizer.lr")
+    betas: tuple[float, float] = number((0.9, 0.95), ge=0, lt=1)
+    eps: float = number(1e-8, gt=0)
+    weight_decay: float = number(0.1, ge=0)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 100
-    decay_fraction: float = 0.2  # wsd: the last fraction of the steps that decays to min_lr
+    warmup_steps: int = number(100, ge=0, le="training.steps")
+    decay_fraction: float = number(0.2, gt=0, le=1)  # wsd: the last fraction of the steps that decays to min_lr
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@dataclass
+@section
 class SparseConfig:
     """Sparse projections and their topology updates (``model.layer: sparse``; SMET, Xiao et al. 2026)."""
 
-    density: float = 0.25  # fraction d of each sparse matrix's weights that is active
+    density: float = number(0.25, gt=0, le=1)  # fraction d of each sparse matrix's weights that is active
     init: Literal["uniform", "erk"] = "uniform"  # one density for every layer, or Erdos-Renyi-Kernel
     targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))  # projections made sparse
-    update_interval: int = 100  # Delta T: steps between topology updates
-    prune_fraction: float = 0.2  # zeta_0: share of active weights pruned (and regrown) at the first update
-    prune_fraction_min: float = 0.005  # zeta_min: the share at the end of the cosine decay
-    stop_step: int = 0  # last step with topology updates (the decay ends there); 0: training.steps
+    update_interval: int = number(100, gt=0)  # Delta T: steps between topology updates
+    prune_fraction: float = number(0.2, ge=0, lt=1)  # zeta_0: share of active weights pruned (and regrown) at the first update
+    prune_fraction_min: float = number(0.005, ge=0, le="sparse.prune_fraction")  # zeta_min: at the end of the decay
+    stop_step: int = number(0, ge=0)  # last step with topology updates (the decay ends there); 0: training.steps
     regrow: Literal["random", "gradient"] = "random"  # SET (random) or RigL (largest gradient magnitude)
 
 
-@dataclass
+@section
 class SMETConfig:
     """The SMET optimizer: Adam on the active weights only (``optimizer.name: smet``)."""
 
     mode: Literal["smet", "naive"] = "smet"  # naive: one global step, no warm-up, no density scaling
-    slot_warmup_steps: int = 100  # W: a regrown weight's learning rate rises linearly over W steps
-    density_lr_power: float = 0.5  # p: the sparse weights' learning rate is lr * d^(-p); 0 turns it off
+    slot_warmup_steps: int = number(100, ge=0)  # W: a regrown weight's learning rate rises linearly over W steps
+    density_lr_power: float = number(0.5, ge=0)  # p: the sparse weights' learning rate is lr * d^(-p); 0 turns it off
 
 
-@dataclass
+@section
 class LowRankConfig:
     """Factorised projections W = A B (``model.layer: lowrank``; Spectron, Janson et al. 2026)."""
 
-    rank_ratio: float = 0.25  # r = round(rank_ratio * in_features), per projection
-    rank: int = 0  # one explicit r for every factorised projection (overrides rank_ratio)
+    rank_ratio: float = number(0.25, gt=0, lt=1)  # r = round(rank_ratio * in_features), per projection
+    rank: int = number(0, ge=0)  # one explicit r for every factorised projection (overrides rank_ratio); 0: unset
     targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))  # projections factorised
 
 
-@dataclass
+@section
 class SpectronConfig:
     """The Spectron optimizer for the factors (``optimizer.name: spectron``); the rest gets AdamW."""
 
-    lr: float = 0.02  # eta: bound on the spectral norm of each step's change of W (schedule applies)
-    momentum: float = 0.95
+    lr: float = number(0.02, gt=0)  # eta: bound on the spectral norm of each step's change of W (schedule applies)
+    momentum: float = number(0.95, ge=0, lt=1)
     nesterov: bool = True
-    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_steps: int = number(5, gt=0)  # Newton-Schulz iterations
 
 
-@dataclass
+@section
 class ParallelConfig:
     """How the work is split; the data-parallel degree is the number of processes."""
 
     zero_stage: Literal[0, 1, 2] = 0
-    tensor_parallel: int = 1  # T: ranks that split each layer; the data-parallel degree is processes / T
-    timeout_minutes: float = 30.0  # collectives that wait longer than this fail
-    heartbeat_seconds: float = 5.0  # period of each rank's heartbeat, which names a dead or hung rank; 0: off
+    tensor_parallel: int = number(1, ge=1)  # T: ranks that split each layer; the data-parallel degree is processes / T
+    timeout_minutes: float = number(30.0, gt=0)  # collectives that wait longer than this fail
+    heartbeat_seconds: float = number(5.0, ge=0)  # each rank's heartbeat, which names a dead or hung rank; 0: off
 
 
-@dataclass
+@section
 class TrainingConfig:
-    steps: int = 1000
-    micro_batch_size: int = 8  # sequences per process per forward pass
-    global_batch_size: int = 64  # sequences per optimizer step, over all processes
+    steps: int = number(1000, gt=0)
+    micro_batch_size: int = number(8, gt=0)  # sequences per process per forward pass
+    global_batch_size: int = number(64, gt=0)  # sequences per optimizer step, over all processes
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: needs ZeRO stage 1 or 2
-    grad_clip: float = 1.0  # global gradient-norm clipping; 0 turns it off
-    seed: int = 1234
-    eval_interval: int = 200  # steps between evaluations; 0: only at the end
-    eval_samples: int = 256  # validation sequences per evaluation
-    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard logs, resolved config
-    max_skipped_steps: int = 5  # consecutive steps with non-finite gradients (skipped) that stop the run; 0: never
+    grad_clip: float = number(1.0, ge=0)  # global gradient-norm clipping; 0 turns it off
+    seed: int = number(1234, ge=0, le=2**64 - 1)
+    eval_interval: int = number(200, ge=0)  # steps between evaluations; 0: only at the end
+    eval_samples: int = number(256, ge=0)  # validation sequences per evaluation; 0: no evaluation
+    output_dir: str = path_key("runs/default", "output_directory")  # metrics.jsonl, TensorBoard logs, resolved config
+    max_skipped_steps: int = number(5, ge=0)  # consecutive steps with non-finite gradients (skipped) that stop the run; 0: never
 
 
-@dataclass
+@section
 class CheckpointConfig:
-    dir: str = ""  # empty: <training.output_dir>/checkpoints
-    interval: int = 500  # steps between checkpoints; 0: only the final one
+    dir: str = path_key("", "output_directory")  # empty: <training.output_dir>/checkpoints
+    interval: int = number(500, ge=0)  # steps between checkpoints; 0: only the final one
     save_final: bool = True
-    init_from: str = ""  # a model directory (convert consolidate / import-hf) to start from at step 0
-    keep_last: int = 0  # keep the newest K checkpoints (older ones are deleted); 0: keep all
-    keep_every: int = 0  # with keep_last: also keep every checkpoint whose step is a multiple of M
+    init_from: str = path_key("", "existing_directory")  # a model directory (convert consolidate / import-hf) to start from
+    keep_last: int = number(0, ge=0)  # keep the newest K checkpoints (older ones are deleted); 0: keep all
+    keep_every: int = number(0, ge=0)  # with keep_last: also keep every checkpoint whose step is a multiple of M
 
 
-@dataclass
+@section
 class LoggingConfig:
-    log_interval: int = 10  # steps between metric lines
+    log_interval: int = number(10, gt=0)  # steps between metric lines
     progress_bar: bool = True
     tensorboard: bool = True  # used when the tensorboard package is installed
 
@@ -187,6 +270,19 @@ class Config:
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir or Path(self.training.output_dir) / "checkpoints")
 
+    def get(self, key: str) -> Any:
+        """The value of ``section.key``."""
+        section_name, name = key.split(".")
+        return getattr(getattr(self, section_name), name)
+
+    def keys(self) -> Iterator[tuple[str, dataclasses.Field]]:
+        """Every ``section.key`` with its declaration, in order."""
+        for section_field in dataclasses.fields(self):
+            value = getattr(self, section_field.name)
+            if dataclasses.is_dataclass(value):
+                for key_field in dataclasses.fields(value):
+                    yield f"{section_field.name}.{key_field.name}", key_field
+
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         per_pass = self.training.micro_batch_size * data_parallel_size
         return self.training.global_batch_size // per_pass
@@ -195,48 +291,23 @@ class Config:
         return _plain(dataclasses.asdict(self))
 
     def validate(self, data_parallel_size: int | None = None) -> "Config":
-        """Check the values together; ``data_parallel_size`` adds the batch-split checks."""
-        m, d, o, t = self.model, self.data, self.optimizer, self.training
-        _require(m.dim > 0, "model.dim", "must be > 0: set it or choose model.preset")
-        _require(m.n_layers > 0, "model.n_layers", "must be > 0")
-        _require(m.n_heads > 0, "model.n_heads", "must be > 0")
-        _require(m.ffn_dim > 0, "model.ffn_dim", "must be > 0")
+        """Check every key against its bounds, then the keys together; ``data_parallel_size`` adds the
+        batch-split checks. Reads no file (see :meth:`check_paths`)."""
+        bounded = [(key, declared.metadata["bounds"]) for key, declared in self.keys() if "bounds" in declared.metadata]
+        for key, bounds in sorted(bounded, key=lambda item: item[1].relative):  # a key before the bounds it sets
+            value = self.get(key)
+            for where, item in [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, tuple) else [
+                    (key, value)]:
+                problem = bounds.problem(item, self)
+                _require(problem is None, where, problem or "")
+        m, t = self.model, self.training
         _require(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}")
         _require((m.dim // m.n_heads) % 2 == 0, "model.dim", "dim / n_heads must be even for rotary embeddings")
-        _require(m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0, "model.n_kv_heads",
-                 f"{m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-        _require(m.norm_eps > 0, "model.norm_eps", "must be > 0")
-        _require(m.init_std > 0, "model.init_std", "must be > 0")
-        _require(d.seq_len >= 2, "data.seq_len", "must be >= 2")
-        _require(0 <= d.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
-        _require(d.vocab_size >= 300, "data.vocab_size", "must be >= 300 (256 byte pieces plus specials)")
-        _require(d.shard_tokens > 0, "data.shard_tokens", "must be > 0")
-        _require(d.max_documents >= 0, "data.max_documents", "must be >= 0")
-        _require(d.workers >= 0, "data.workers", "must be >= 0")
-        _require(o.lr > 0, "optimizer.lr", "must be > 0")
-        _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr={o.lr}]")
-        _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
-        _require(o.eps > 0, "optimizer.eps", "must be > 0")
-        _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
-        _require(t.steps > 0, "training.steps", "must be > 0")
-        _require(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps", f"must be in [0, training.steps={t.steps}]")
-        _require(0 < o.decay_fraction <= 1, "optimizer.decay_fraction", "must be in (0, 1]")
-        _require(t.micro_batch_size > 0, "training.micro_batch_size", "must be > 0")
+        _require(m.n_heads % m.kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} must divide model.n_heads={m.n_heads}")
         _require(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
                  f"{t.global_batch_size} is not a multiple of training.micro_batch_size={t.micro_batch_size}")
-        _require(t.grad_clip >= 0, "training.grad_clip", "must be >= 0")
-        _require(t.eval_interval >= 0, "training.eval_interval", "must be >= 0")
-        _require(t.eval_samples >= 0, "training.eval_samples", "must be >= 0")
-        self._validate_sparse()
-        self._validate_lowrank()
+        self._validate_methods()
         self._validate_tensor_parallel()
-        _require(self.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
-        _require(self.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0")
-        _require(self.checkpoint.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
-        _require(t.max_skipped_steps >= 0, "training.max_skipped_steps", "must be >= 0")
-        _require(self.logging.log_interval > 0, "logging.log_interval", "must be > 0")
-        _require(self.parallel.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
-        _require(self.parallel.heartbeat_seconds >= 0, "parallel.heartbeat_seconds", "must be >= 0")
         _check_deepspeed_block(self.deepspeed)
         # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
         # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
@@ -250,47 +321,55 @@ class Config:
                      f"{t.micro_batch_size} x {data_parallel_size}")
         return self
 
+    def check_paths(self, keys: Iterable[str] | None = None) -> None:
+        """Check the path keys (all, or those named) against the file system: an output directory must be a
+        directory, or creatable, and writable; an input must exist and be of its kind. Fails with the key."""
+        wanted = None if keys is None else set(keys)
+        for key, declared in self.keys():
+            kind = declared.metadata.get("path")
+            value = str(self.checkpoint_dir) if key == "checkpoint.dir" else self.get(key)  # empty: the default place
+            if kind and value and (wanted is None or key in wanted):
+                _require((problem := _path_problem(Path(value), kind)) is None, key, problem or "")
 
-    def _validate_sparse(self) -> None:
-        sp, sm = self.sparse, self.smet
-        _require(0 < sp.density <= 1, "sparse.density", f"{sp.density} is outside (0, 1]")
-        _require(0 <= sp.prune_fraction < 1, "sparse.prune_fraction", f"{sp.prune_fraction} is outside [0, 1)")
-        _require(0 <= sp.prune_fraction_min <= sp.prune_fraction, "sparse.prune_fraction_min",
-                 f"{sp.prune_fraction_min} is outside [0, sparse.prune_fraction={sp.prune_fraction}]")
-        _require(sp.update_interval > 0, "sparse.update_interval", "must be > 0")
-        _require(sp.stop_step >= 0, "sparse.stop_step", "must be >= 0")
-        unknown = [t for t in sp.targets if t not in PROJECTIONS]
-        _require(not unknown, "sparse.targets", f"unknown projection {unknown} (choose from {', '.join(PROJECTIONS)})")
-        _require(sm.slot_warmup_steps >= 0, "smet.slot_warmup_steps", f"{sm.slot_warmup_steps} must be >= 0")
-        _require(sm.density_lr_power >= 0, "smet.density_lr_power", "must be >= 0")
+    def _validate_methods(self) -> None:
+        sp, lr = self.sparse, self.lowrank
+        for key, targets in (("sparse.targets", sp.targets), ("lowrank.targets", lr.targets)):
+            unknown = [t for t in targets if t not in PROJECTIONS]
+            _require(not unknown, key, f"unknown projection {unknown} (choose from {', '.join(PROJECTIONS)})")
         sparse_model, smet = self.model.layer == "sparse", self.optimizer.name == "smet"
         _require(not smet or sparse_model, "optimizer.name",
                  "smet trains sparse projections: set model.layer=sparse (or use adamw)")
         _require(not sparse_model or smet, "model.layer",
                  "sparse projections need optimizer.name=smet (smet.mode=naive for plain Adam on active weights)")
         _require(not sparse_model or bool(sp.targets), "sparse.targets", "is empty: no projection would be sparse")
-
-
-    def _validate_lowrank(self) -> None:
-        lr, sp = self.lowrank, self.spectron
-        _require(0 < lr.rank_ratio < 1, "lowrank.rank_ratio", f"{lr.rank_ratio} is outside (0, 1)")
-        _require(lr.rank >= 0, "lowrank.rank", f"{lr.rank} must be > 0 (or 0 to use lowrank.rank_ratio)")
-        unknown = [t for t in lr.targets if t not in PROJECTIONS]
-        _require(not unknown, "lowrank.targets", f"unknown projection {unknown} (choose from {', '.join(PROJECTIONS)})")
-        _require(sp.lr > 0, "spectron.lr", "must be > 0")
-        _require(0 <= sp.momentum < 1, "spectron.momentum", f"{sp.momentum} is outside [0, 1)")
-        _require(sp.ns_steps > 0, "spectron.ns_steps", "must be > 0")
         lowrank = self.model.layer == "lowrank"
         _require(self.optimizer.name != "spectron" or (lowrank and bool(lr.targets)), "optimizer.name",
                  "spectron steps factorised weights, and this model has none: set model.layer=lowrank")
 
     def _validate_tensor_parallel(self) -> None:
         t, m = self.parallel.tensor_parallel, self.model
-        _require(t >= 1, "parallel.tensor_parallel", "must be >= 1")
         _require(t == 1 or m.layer != "sparse", "parallel.tensor_parallel",
                  "sparse (SMET) models run with tensor_parallel=1 (data parallel and ZeRO only)")
         for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_dim", m.ffn_dim)):
             _require(value % t == 0, "parallel.tensor_parallel", f"{t} does not divide {key}={value}")
+
+
+def _path_problem(path: Path, kind: PathKind) -> str | None:
+    """What stands in the way of using ``path`` as ``kind`` (None if nothing)."""
+    if kind == "existing_file":
+        return None if path.is_file() else f"'{path}' is a directory, not a file" if path.is_dir() else \
+            f"'{path}' does not exist"
+    if kind == "existing_directory":
+        return None if path.is_dir() else f"'{path}' is a file, not a directory" if path.exists() else \
+            f"'{path}' does not exist"
+    if path.exists():
+        if not path.is_dir():
+            return f"'{path}' is a file, not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"'{path}' is not writable"
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        return f"cannot create '{path}': '{parent}' is a file, not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot create '{path}': '{parent}' is not writable"
 
 
 # DeepSpeed keys that megasparse derives, and the config key that sets each one.
@@ -311,9 +390,9 @@ DERIVED_DEEPSPEED_KEYS = {
 def _check_deepspeed_block(block: dict[str, Any]) -> None:
     """Refuse keys of the ``deepspeed:`` block that megasparse derives (one source for each number)."""
     for key, source in DERIVED_DEEPSPEED_KEYS.items():
-        section, _, leaf = key.partition(".")
-        node = block.get(section)
-        present = section in block if not leaf else isinstance(node, dict) and leaf in node
+        section_name, _, leaf = key.partition(".")
+        node = block.get(section_name)
+        present = section_name in block if not leaf else isinstance(node, dict) and leaf in node
         if present:
             raise ConfigError(f"deepspeed.{key}: derived by megasparse; set {source} instead")
 

@@ -1,10 +1,17 @@
 """Bad input, one table: every case gets exactly one `megasparse: error:` line naming the problem, exit
 code 2, no traceback, and leaves the files it was given and the output places untouched.
 
+Besides the hand-written cases, two families are generated from the config's declarations, so a new key
+joins them by itself: every numeric key at 0 and -1 where its bounds refuse them and every float key at
+infinity, and every path key given a file where a directory is expected (and the reverse), a place below
+a file, or nothing. And all the zeros the bounds admit, at once, must train.
+
 Cases that fail before the process group exists run `megasparse.cli.main` in this process; the
-others (data, tokenizer and checkpoint checks inside `train`) run as real processes."""
+others (checks of a resumed checkpoint inside `train`) run as processes."""
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +22,8 @@ import torch
 from helpers import megasparse, one_error_line, tiny_config, write_config
 
 from megasparse.cli import main
+from megasparse.config import Config
+from megasparse.train.metrics import read_metrics
 
 
 @dataclass
@@ -61,6 +70,9 @@ def train(setup: Setup, *extra: str, method: str = "dense", **sections) -> list[
     return ["train", setup.config(method, **sections), *extra]
 
 
+RANKS_OF_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "1"}
+
 CASES = [
     # the config file and --set
     Case("malformed YAML", lambda s: ["train", s.config(text="model: {preset: llama-tiny\n")], "malformed YAML at line 2"),
@@ -71,13 +83,15 @@ CASES = [
     Case("unknown key", lambda s: train(s, training={"stepz": 3}), "training.stepz: unknown key"),
     Case("wrong type", lambda s: train(s, training={"steps": "ten"}), "training.steps"),
     Case("list for a number", lambda s: train(s, optimizer={"lr": [1e-3]}), "optimizer.lr"),
-    Case("negative steps", lambda s: train(s, training={"steps": -1}), "training.steps: must be > 0"),
+    Case("negative steps", lambda s: train(s, training={"steps": -1}), "training.steps: must be > 0, got -1"),
     Case("--set without =", lambda s: ["train", s.config(), "--set", "training.steps"], "expected section.key=value"),
     Case("--set unknown key", lambda s: ["train", s.config(), "--set", "training.epochs=3"], "training.epochs: unknown key"),
     Case("unknown preset", lambda s: train(s, model={"preset": "llama-7t"}), "model.preset: unknown preset 'llama-7t'"),
     Case("derived DeepSpeed key", lambda s: train(s, deepspeed={"train_batch_size": 4}),
          "deepspeed.train_batch_size: derived by megasparse"),
     # impossible sizes
+    Case("zero global batch", lambda s: train(s, training={"global_batch_size": 0}),
+         "training.global_batch_size: must be > 0, got 0"),
     Case("batch not a multiple", lambda s: train(s, training={"global_batch_size": 12, "micro_batch_size": 8}),
          "training.global_batch_size: 12 is not a multiple of training.micro_batch_size=8"),
     Case("heads not dividing dim", lambda s: train(s, model={"n_heads": 5}), "model.dim: 64 is not divisible by model.n_heads=5"),
@@ -86,17 +100,16 @@ CASES = [
     Case("bf16 at ZeRO-0", lambda s: train(s, training={"precision": "bf16"}), "bf16 needs parallel.zero_stage 1 or 2"),
     Case("batch over processes", lambda s: train(s, training={"micro_batch_size": 4}),
          "training.global_batch_size: 8 is not divisible by micro_batch_size x data-parallel size = 4 x 3",
-         env={"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "1"}),
+         env=RANKS_OF_3),
     # sparse and low-rank settings
-    Case("density zero", lambda s: train(s, method="smet", sparse={"density": 0.0}), "sparse.density: 0.0 is outside (0, 1]"),
-    Case("density above one", lambda s: train(s, method="smet", sparse={"density": 1.5}), "sparse.density: 1.5 is outside"),
+    Case("density zero", lambda s: train(s, method="smet", sparse={"density": 0.0}), "sparse.density: must be in (0, 1], got 0.0"),
+    Case("density above one", lambda s: train(s, method="smet", sparse={"density": 1.5}), "sparse.density: must be in (0, 1], got 1.5"),
     Case("SMET on a dense model", lambda s: train(s, optimizer={"name": "smet"}), "smet trains sparse projections"),
     Case("sparse with TP", lambda s: train(s, method="smet", parallel={"tensor_parallel": 2}),
          "sparse (SMET) models run with tensor_parallel=1"),
-    Case("rank ratio one", lambda s: train(s, method="spectron", lowrank={"rank_ratio": 1.0}), "lowrank.rank_ratio: 1.0 is outside (0, 1)"),
+    Case("rank ratio one", lambda s: train(s, method="spectron", lowrank={"rank_ratio": 1.0}), "lowrank.rank_ratio: must be in (0, 1), got 1.0"),
     Case("rank too large", lambda s: train(s, method="spectron", lowrank={"rank": 64}),
-         "lowrank: rank 64 for q_proj (64 x 64) must be in (0, 64)", process=True),
+         "lowrank.rank: rank 64 for q_proj (64 x 64) must be in (0, 64)"),
     Case("Spectron without factors", lambda s: train(s, optimizer={"name": "spectron"}),
          "spectron steps factorised weights, and this model has none"),
     # the launcher environment
@@ -115,11 +128,14 @@ CASES = [
                                        s.file("tok.model", b"not a model"), "--out", str(s.tmp / "d")],
          "is not a SentencePiece model"),
     Case("damaged dataset", lambda s: train(s, data={"path": s.dataset_copy(lambda d: (d / "val-00000.bin").unlink())}),
-         "is missing", process=True),
+         "is missing"),
     Case("tokenizer/shard mismatch", lambda s: train(s, data={"tokenizer": s.file("other.model", (
-        s.dataset / "tokenizer.model").read_bytes() + b"x")}), "is not the tokenizer the shards", process=True),
+        s.dataset / "tokenizer.model").read_bytes() + b"x")}), "is not the tokenizer the shards"),
     Case("sequence longer than the data", lambda s: train(s, data={"seq_len": 10_000_000}),
-         "has fewer than data.seq_len + 1", process=True),
+         "has fewer than data.seq_len + 1"),
+    Case("TP not dividing the vocabulary", lambda s: train(s, parallel={"tensor_parallel": 3}, model={"n_heads": 3, "dim": 60,
+                                                                          "ffn_dim": 180}),
+         "parallel.tensor_parallel=3 does not divide the vocabulary size 400", env=RANKS_OF_3),
     # checkpoints
     Case("checkpoint of another shape", lambda s: train(s, "--resume", s.checkpoint(), model={"n_layers": 3}),
          "is for another model: model.n_layers=2, this config has 3", process=True),
@@ -134,11 +150,77 @@ CASES = [
 ]
 
 
+
+
+def number_cases() -> list[Case]:
+    """Every numeric key of the config at 0 and at -1 where its bounds refuse them, and every float key at
+    infinity: each named in the error (a tuple key by its element)."""
+    cases, defaults = [], Config()
+    for key, declared in defaults.keys():
+        bounds = declared.metadata.get("bounds")
+        if bounds is None:
+            continue
+        default = defaults.get(key)
+        floats = isinstance(default, float) or (isinstance(default, tuple) and isinstance(default[0], float))
+        for value in (0, -1) + ((math.inf,) if floats else ()):
+            if bounds.problem(value, defaults) is None:
+                continue
+            section, name = key.split(".")
+            given = tuple(value for _ in default) if isinstance(default, tuple) else value
+            where = f"{key}[0]" if isinstance(default, tuple) else key
+            cases.append(Case(f"{key}={value}", lambda s, section=section, name=name, given=given: train(
+                s, method=METHOD_OF.get(section, "dense"), **{section: {name: given}}), f"{where}: must be"))
+    return cases
+
+
+METHOD_OF = {"sparse": "smet", "smet": "smet", "lowrank": "spectron", "spectron": "spectron"}
+
+
+def path_cases() -> list[Case]:
+    """Every path key given what it cannot use: a file where a directory is expected (to read or to write),
+    a directory where a file is, a place below a file, or nothing at all."""
+    cases = []
+    for key, declared in Config().keys():
+        kind = declared.metadata.get("path")
+        if kind is None:
+            continue
+        section, name = key.split(".")
+
+        def given(value: Callable[[Setup], str], section=section, name=name) -> Callable[[Setup], list[str]]:
+            return lambda s: train(s, **{section: {name: value(s)}})
+
+        a_file = lambda s: s.file("a-file", b"not a directory\n")  # noqa: E731
+        if kind == "existing_file":
+            cases += [Case(f"{key} a directory", given(lambda s: str(s.tmp)), f"{key}: '"),
+                      Case(f"{key} missing", given(lambda s: str(s.tmp / "missing")), f"{key}: '")]
+        elif kind == "existing_directory":
+            cases += [Case(f"{key} a file", given(a_file), f"{key}: '"),
+                      Case(f"{key} missing", given(lambda s: str(s.tmp / "missing")), f"{key}: '")]
+        else:
+            cases += [Case(f"{key} a file", given(a_file), f"{key}: '"),
+                      Case(f"{key} below a file", given(lambda s: str(Path(a_file(s)) / "sub")), f"{key}: cannot create")]
+    return cases
+
+
+FAMILIES = number_cases() + path_cases() + [
+    Case("prepare-data into a file", lambda s: ["prepare-data", "--files", s.file("a.txt", b"some text\n"), "--out",
+                                                s.file("out", b"")], "data.path: '"),
+    Case("launch: output a file", lambda s: ["launch", "local", s.config(training={"output_dir": s.file("o", b"")}),
+                                             "--nproc", "1", "--dry-run"], "training.output_dir: '"),
+]
+
+
+def test_every_numeric_and_path_key_has_its_family():
+    declared = {key for key, f in Config().keys() if "bounds" in f.metadata or "path" in f.metadata}
+    covered = {case.message.split(":")[0].split("[")[0] for case in FAMILIES}
+    assert declared <= covered, declared - covered
+
+
 def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+@pytest.mark.parametrize("case", CASES + FAMILIES, ids=[case.name for case in CASES + FAMILIES])
 def test_bad_input(case, tmp_path, dataset, runs, capsys, monkeypatch):
     setup = Setup(tmp_path, dataset, runs)
     argv = case.argv(setup)
@@ -159,3 +241,38 @@ def test_bad_input(case, tmp_path, dataset, runs, capsys, monkeypatch):
         assert code == 2 and len(lines) == 1 and case.message in lines[0], err
         assert not torch.distributed.is_initialized(), "an in-process case must fail before the process group starts"
     assert snapshot(tmp_path) == before  # nothing written, nothing changed
+
+
+def zero_where_allowed(sections: set[str]) -> dict[str, dict]:
+    """Every numeric key of ``sections`` whose bounds admit 0, set to 0 (a tuple key: all of it)."""
+    defaults, zeros = Config(), {}
+    for key, declared in defaults.keys():
+        section, name = key.split(".")
+        bounds = declared.metadata.get("bounds")
+        if section in sections and bounds is not None and bounds.problem(0, defaults) is None:
+            default = defaults.get(key)
+            zeros.setdefault(section, {})[name] = tuple(0 for _ in default) if isinstance(default, tuple) else 0
+    return zeros
+
+
+COMMON = {"model", "data", "optimizer", "parallel", "training", "checkpoint", "logging"}
+
+
+@pytest.mark.parametrize("method,sections", [("smet", COMMON | {"sparse", "smet"}),
+                                             ("spectron", COMMON | {"lowrank", "spectron"})])
+def test_zero_where_allowed_means_what_its_key_says(corpus, tmp_path, method, sections):
+    """All the zeros the bounds admit at once, on 2 ranks, the data prepared by the run itself: the run
+    trains to the end (no evaluation, no checkpoint but the final one, no validation split)."""
+    zeros = zero_where_allowed(sections)
+    assert sum(len(keys) for keys in zeros.values()) >= 15, zeros
+    cfg = tiny_config(tmp_path / "tokens", tmp_path / "out", method, training={"micro_batch_size": 4})
+    cfg["data"].update(files=[str(corpus / "*.txt")], vocab_size=400)
+    for section, keys in zeros.items():
+        cfg.setdefault(section, {}).update(keys)
+    megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), nproc=2).check()
+    records = read_metrics(tmp_path / "out")
+    assert len(records) == 8 and all(math.isfinite(r["loss"]) for r in records)
+    assert read_metrics(tmp_path / "out", "eval") == []
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*")] == ["step_00000008"]
+    splits = json.loads((tmp_path / "tokens" / "index.json").read_text())["splits"]
+    assert splits["train"]["tokens"] > 0 and splits.get("val", {}).get("tokens", 0) == 0

@@ -278,7 +278,7 @@ def test_bad_paths_and_outputs(runs, tmp_path, hf_model):
     one_error_line(megasparse_here("convert", "import-hf", str(tmp_path / "taken"), "--out", str(tmp_path / "o")),
                    "is not a Hugging Face model folder (no config.json)")
     one_error_line(megasparse_here("convert", "import-hf", str(hf_model), "--out", str(tmp_path / "o"), "--layer", "lowrank",
-                              "--rank", "64"), "lowrank: rank 64 for q_proj (64 x 64) must be in (0, 64)")
+                              "--rank", "64"), "lowrank.rank: rank 64 for q_proj (64 x 64) must be in (0, 64)")
     assert not (tmp_path / "o").exists()
 
 

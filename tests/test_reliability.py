@@ -276,9 +276,9 @@ def test_unwritable_checkpoint_directory_fails_before_training(dataset, tmp_path
     cfg = tiny_config(dataset, tmp_path / "out", checkpoint={"dir": str(tmp_path / "file" / "checkpoints")})
     result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)))
     assert result.returncode == 2
-    assert f"megasparse: error: cannot write checkpoints to {tmp_path / 'file' / 'checkpoints'}: Not a directory" \
-        in result.stderr
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "out")
+    assert (f"megasparse: error: checkpoint.dir: cannot create '{tmp_path / 'file' / 'checkpoints'}': "
+            f"'{tmp_path / 'file'}' is a file, not a directory") in result.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 def test_pruning_spares_the_new_checkpoint_and_later_ones(tmp_path):

@@ -217,11 +217,11 @@ def test_sparse_layer_matches_its_dense_weight():
 
 
 @pytest.mark.parametrize("raw,message", [
-    ({"sparse": {"density": 0.0}}, "sparse.density: 0.0 is outside (0, 1]"),
-    ({"sparse": {"density": 1.5}}, "sparse.density: 1.5 is outside (0, 1]"),
-    ({"sparse": {"prune_fraction": 1.0}}, "sparse.prune_fraction: 1.0 is outside [0, 1)"),
-    ({"sparse": {"prune_fraction": -0.1}}, "sparse.prune_fraction: -0.1 is outside [0, 1)"),
-    ({"smet": {"slot_warmup_steps": -1}}, "smet.slot_warmup_steps: -1 must be >= 0"),
+    ({"sparse": {"density": 0.0}}, "sparse.density: must be in (0, 1], got 0.0"),
+    ({"sparse": {"density": 1.5}}, "sparse.density: must be in (0, 1], got 1.5"),
+    ({"sparse": {"prune_fraction": 1.0}}, "sparse.prune_fraction: must be in [0, 1), got 1.0"),
+    ({"sparse": {"prune_fraction": -0.1}}, "sparse.prune_fraction: must be in [0, 1), got -0.1"),
+    ({"smet": {"slot_warmup_steps": -1}}, "smet.slot_warmup_steps: must be >= 0, got -1"),
     ({"sparse": {"regrow": "magic"}}, "sparse.regrow: 'magic' is not one of 'random', 'gradient'"),
     ({"smet": {"mode": "fast"}}, "smet.mode: 'fast' is not one of 'smet', 'naive'"),
     ({"sparse": {"targets": ["q_proj", "lm_head"]}}, "sparse.targets: unknown projection ['lm_head']"),

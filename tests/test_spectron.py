@@ -138,14 +138,15 @@ def test_factory_ranks():
 
 
 @pytest.mark.parametrize("raw,message", [
-    ({"lowrank": {"rank": 64}}, "lowrank: rank 64 for q_proj (64 x 64) must be in (0, 64)"),
-    ({"lowrank": {"rank": -1}}, "lowrank.rank: -1 must be > 0"),
-    ({"lowrank": {"rank_ratio": 1.0}}, "lowrank.rank_ratio: 1.0 is outside (0, 1)"),
+    ({"lowrank": {"rank": 64}}, "lowrank.rank: rank 64 for q_proj (64 x 64) must be in (0, 64)"),
+    ({"lowrank": {"rank_ratio": 0.001}}, "lowrank.rank_ratio: rank 0 for q_proj (64 x 64) must be in (0, 64)"),
+    ({"lowrank": {"rank": -1}}, "lowrank.rank: must be >= 0, got -1"),
+    ({"lowrank": {"rank_ratio": 1.0}}, "lowrank.rank_ratio: must be in (0, 1), got 1.0"),
     ({"model": {"layer": "dense"}}, "optimizer.name: spectron steps factorised weights, and this model has none"),
     ({"lowrank": {"targets": []}}, "optimizer.name: spectron steps factorised weights"),
     ({"parallel": {"tensor_parallel": 3}}, "parallel.tensor_parallel: 3 does not divide model.n_heads=4"),
     ({"parallel": {"tensor_parallel": 0}}, "parallel.tensor_parallel: must be >= 1"),
-    ({"spectron": {"momentum": 1.0}}, "spectron.momentum: 1.0 is outside [0, 1)"),
+    ({"spectron": {"momentum": 1.0}}, "spectron.momentum: must be in [0, 1), got 1.0"),
 ])
 def test_bad_lowrank_configs(raw, message):
     with pytest.raises(ConfigError) as error:

@@ -26,11 +26,12 @@ def train_arguments(config: str, overrides: list[str], resume: str | None) -> li
 
 
 def checked_config(config: str, overrides: list[str], world_size: int) -> Config:
-    """The run's config, validated for ``world_size`` processes (TP divides it, batches split)."""
-    from megasparse.parallel.groups import split_world  # imports DeepSpeed: only once the arguments are read
+    """The run's config, checked as every rank will check it before training (:func:`preflight`) for
+    ``world_size`` processes."""
+    from megasparse.train.trainer import preflight  # imports DeepSpeed: only once the arguments are read
 
     cfg = load_config(config, overrides)
-    cfg.validate(split_world(world_size, cfg.parallel.tensor_parallel))
+    preflight(cfg, world_size)
     return cfg
 
 

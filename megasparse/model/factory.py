@@ -36,12 +36,13 @@ def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], d
 def low_ranks(cfg: Config) -> dict[str, int]:
     """Each low-rank role's rank: ``lowrank.rank``, or ``lowrank.rank_ratio`` x in_features, checked."""
     shapes, _ = projection_shapes(cfg.model)
+    key = "lowrank.rank" if cfg.lowrank.rank else "lowrank.rank_ratio"
     ranks = {}
     for role in cfg.lowrank.targets:
         in_features, out_features = shapes[role]
         rank = cfg.lowrank.rank or round(cfg.lowrank.rank_ratio * in_features)
         if not 0 < rank < min(in_features, out_features):
-            raise ConfigError(f"lowrank: rank {rank} for {role} ({out_features} x {in_features}) must be in "
+            raise ConfigError(f"{key}: rank {rank} for {role} ({out_features} x {in_features}) must be in "
                               f"(0, {min(in_features, out_features)})")
         ranks[role] = rank
     return ranks

@@ -28,7 +28,7 @@ from megasparse.config import Config, config_from_dict
 from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches, evaluation_batches
 from megasparse.data.prepare import prepare_data
-from megasparse.data.shards import INDEX_FILE, PreparedData, open_prepared
+from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_loss
@@ -75,11 +75,22 @@ def train(cfg: Config, resume: str | None = None) -> "Trainer":
 
 
 def start_processes(cfg: Config) -> ParallelState:
-    """Find this process's rank, check the batch split, join the process group, create the TP x DP groups."""
+    """Find this process's rank, refuse what is wrong before any other process is needed (:func:`preflight`),
+    join the process group, create the TP x DP groups."""
     launch = discover_launch_env()
-    cfg.validate(split_world(launch.world_size, cfg.parallel.tensor_parallel))
+    preflight(cfg, launch.world_size)
     init_distributed(launch, cfg.parallel.timeout_minutes)
     return create_groups(cfg.parallel.tensor_parallel)
+
+
+def preflight(cfg: Config, world_size: int) -> None:
+    """Everything that can be refused from the config and the files alone: the config for this number of
+    processes, its paths, the layer shapes (sparse densities, low-rank ranks) and an existing dataset."""
+    cfg.validate(split_world(world_size, cfg.parallel.tensor_parallel))
+    cfg.check_paths()
+    layer_factory(cfg)
+    if (Path(cfg.data.path) / INDEX_FILE).exists():
+        usable_windows(cfg, open_prepared(Path(cfg.data.path)))
 
 
 def load_or_prepare(cfg: Config) -> PreparedData:
@@ -91,10 +102,27 @@ def load_or_prepare(cfg: Config) -> PreparedData:
             prepare_data(cfg.data)
 
         rank0_runs(prepare, "data preparation")
-    data = open_prepared(path)
+    return open_prepared(path)
+
+
+def usable_windows(cfg: Config, data: PreparedData) -> tuple[TokenWindows, TokenWindows | None]:
+    """The training and (with ``training.eval_samples``) validation windows of ``data``, after checking it
+    fits the run: its tokenizer, the tensor-parallel degree, enough tokens for one window of each split."""
+    path, seq_len, tp = cfg.data.path, cfg.data.seq_len, cfg.parallel.tensor_parallel
     if cfg.data.tokenizer and file_sha256(Path(cfg.data.tokenizer)) != data.tokenizer_sha256:
         raise UserError(f"data.tokenizer '{cfg.data.tokenizer}' is not the tokenizer the shards at {path} were made with")
-    return data
+    if data.vocab_size % tp:
+        raise UserError(f"parallel.tensor_parallel={tp} does not divide the vocabulary size {data.vocab_size} of "
+                        f"{path}; prepare it with a data.vocab_size it divides")
+    train_windows = data.split("train", seq_len)
+    if len(train_windows) == 0:
+        raise UserError(f"dataset {path} has fewer than data.seq_len + 1 = {seq_len + 1} tokens")
+    if not cfg.training.eval_samples:
+        return train_windows, None
+    if not data.has_split("val") or len(data.split("val", seq_len)) == 0:
+        raise UserError(f"dataset {path} has no validation windows of {seq_len + 1} tokens; prepare it with a "
+                        "larger data.val_fraction or set training.eval_samples=0")
+    return train_windows, data.split("val", seq_len)
 
 
 class Trainer:
@@ -105,21 +133,9 @@ class Trainer:
         self.dp_group = parallel.data_parallel_group
         t = cfg.training
         self.data = load_or_prepare(cfg)
+        train_windows, self.eval_windows = usable_windows(cfg, self.data)
         self.tp = tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size,
                                       parallel.tensor_parallel_rank)
-        if self.data.vocab_size % tp.size:
-            raise UserError(f"parallel.tensor_parallel={tp.size} does not divide the vocabulary size "
-                            f"{self.data.vocab_size} of {cfg.data.path}; prepare it with a data.vocab_size it divides")
-        train_windows = self.data.split("train", cfg.data.seq_len)
-        if len(train_windows) == 0:
-            raise UserError(f"dataset {cfg.data.path} has fewer than data.seq_len + 1 = {cfg.data.seq_len + 1} tokens")
-        self.eval_windows = None
-        if t.eval_samples:
-            if not self.data.has_split("val") or len(self.data.split("val", cfg.data.seq_len)) == 0:
-                raise UserError(f"dataset {cfg.data.path} has no validation windows of {cfg.data.seq_len + 1} tokens; "
-                                "prepare it with a larger data.val_fraction or set training.eval_samples=0")
-            self.eval_windows = self.data.split("val", cfg.data.seq_len)
-
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
 
         torch.manual_seed(t.seed)
