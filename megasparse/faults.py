@@ -5,8 +5,8 @@ step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op:
 
 - ``kill@K:R``: rank R kills itself (SIGKILL) as step K begins;
 - ``stop@K:R``: rank R stops itself (SIGSTOP, a hang) as step K begins;
-- ``slow@K-L:R``: rank R sleeps a second as each of steps K to L begins (a step long enough for a
-  test to signal the process while it runs);
+- ``slow@K-L:R``: rank R says so on standard error and sleeps 2 s as each of steps K to L begins (a
+  step long enough for a test to signal the process while it runs);
 - ``nan_loss@K:R``: rank R's loss at step K becomes NaN (the numerical guard must skip the step);
 - ``kill_during_save@K:R``: rank R kills itself (SIGKILL) after writing its first file of the
   step-K checkpoint, before the checkpoint is complete;
@@ -59,7 +59,8 @@ def at_step_start(step: int) -> None:
     if _due("stop", step):
         os.kill(os.getpid(), signal.SIGSTOP)
     if _due("slow", step):
-        time.sleep(1.0)
+        os.write(2, f"[megasparse] fault: slow step {step}\n".encode())
+        time.sleep(2.0)
 
 
 def poison_loss(loss: torch.Tensor, step: int) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Config reading, presets, overrides, validation messages, and the derived DeepSpeed config."""
+import dataclasses
+import typing
+
 import pytest
 
-from megasparse.config import Config, config_from_dict, load_config, shipped_configs
+from megasparse.config import Config, config_from_dict, load_config, section, shipped_configs
 from megasparse.errors import ConfigError
 from megasparse.model.presets import MODEL_PRESETS
 from megasparse.train.deepspeed_config import deepspeed_config
@@ -127,3 +130,24 @@ def test_deepspeed_config_is_derived_from_one_source():
 def test_deepspeed_block_cannot_set_derived_keys(block, key):
     with pytest.raises(ConfigError, match=f"{key}: derived by megasparse"):
         deepspeed_config(config_from_dict({"deepspeed": block}), data_parallel_size=1)
+
+
+def test_a_number_without_bounds_cannot_be_declared():
+    with pytest.raises(TypeError, match="Broken.steps: a numeric config key needs bounds"):
+        @section
+        class Broken:
+            steps: int = 3
+
+
+def test_every_number_has_bounds_and_every_path_a_kind():
+    """Walks every key: each int or float (or tuple of them; a Literal choice is not a number) is bounded,
+    and each key that names a place on disk declares what it must be."""
+    sections = {f.name: typing.get_type_hints(f.type if isinstance(f.type, type) else type(getattr(Config(), f.name)))
+                for f in dataclasses.fields(Config) if dataclasses.is_dataclass(getattr(Config(), f.name))}
+    for key, declared in Config().keys():
+        section_name, name = key.split(".")
+        kind = sections[section_name][name]
+        if kind in (int, float) or (typing.get_origin(kind) is tuple and set(typing.get_args(kind)) <= {int, float}):
+            assert "bounds" in declared.metadata, key
+        if name in ("path", "dir", "output_dir", "tokenizer", "init_from"):
+            assert "path" in declared.metadata, key

@@ -195,6 +195,13 @@ def wait_for_step(out: Path, step: int, procs: list) -> None:
     raise AssertionError(f"the run did not reach step {step}")
 
 
+def wait_for_text(proc, text: str) -> None:
+    deadline = time.monotonic() + 240
+    while text not in proc.output("stderr"):
+        assert time.monotonic() < deadline and proc.poll() is None, f"no {text!r} from the process"
+        time.sleep(0.01)
+
+
 def test_sigusr1_saves_and_resumes_exactly(runs, dataset, tmp_path):
     """SIGUSR1 to one rank mid-run: all ranks stop at the next step boundary, save, exit 0; resuming ends
     bit-identical to the uninterrupted run."""
@@ -215,13 +222,10 @@ def test_sigusr1_saves_and_resumes_exactly(runs, dataset, tmp_path):
 def test_second_sigterm_exits_at_once_and_keeps_the_last_checkpoint(dataset, tmp_path):
     out = tmp_path / "out"
     config = fault_config(dataset, out, "dense", training={"steps": 400}, checkpoint={"interval": 2})
-    ranks = start_run(config, "slow@5-400:0")  # from step 5 each step takes rank 0 over a second
-    wait_for_step(out, 4, ranks)
-    ranks[0].send_signal(signal.SIGTERM)  # the scheduler's SIGTERM ...
-    deadline = time.monotonic() + 240  # ... is recorded (the step is still running) ...
-    while "SIGTERM received" not in ranks[0].output("stderr"):
-        assert time.monotonic() < deadline and ranks[0].poll() is None
-        time.sleep(0.01)
+    ranks = start_run(config, "slow@5-400:0")  # from step 5 each step takes rank 0 over 2 s
+    wait_for_text(ranks[0], "fault: slow step 5")
+    ranks[0].send_signal(signal.SIGTERM)  # the scheduler's SIGTERM, inside a step ...
+    wait_for_text(ranks[0], "SIGTERM received")  # ... is recorded (the step is still running) ...
     ranks[0].send_signal(signal.SIGTERM)  # ... and a second one comes before the step ends
     assert ranks[0].wait(timeout=60) == -signal.SIGTERM
     ranks[1].kill()

@@ -10,8 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megasparse"
 
 # Lowest first. A module may import from a lower floor, or from its own package.
 FLOORS = [
-    ["megasparse.errors", "megasparse.faults", "megasparse.model.presets", "megasparse.progress",
-     "megasparse.versions"],
+    ["megasparse.errors", "megasparse.faults", "megasparse.model.presets", "megasparse.configs",
+     "megasparse.progress", "megasparse.versions"],
     ["megasparse.config"],
     ["megasparse.parallel"],
     ["megasparse.optim", "megasparse.data"],

@@ -142,7 +142,9 @@ def _zero_partitions(checkpoint: Checkpoint, t: int, shapes: list[dict[str, Any]
             else:
                 shared[key] = value
         offset = 0
-        for (name, shape), padding in zip(group_shapes.items(), ranks[0]["param_alignment_paddings"][group]):
+        # DeepSpeed pads each parameter for alignment since 0.19.7 and records it; before, it did not pad
+        paddings = ranks[0].get("param_alignment_paddings", [[0] * len(s) for s in shapes])[group]
+        for (name, shape), padding in zip(group_shapes.items(), paddings):
             numel = torch.Size(shape).numel()
             params[name] = {key: tensor[offset:offset + numel].clone() for key, tensor in flat.items()} | shared
             offset += numel + padding
