@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tqdm import tqdm
 
 from megasparse.config import DataConfig
 from megasparse.data.corpus import describe_sources, iter_documents, validation_source
@@ -25,6 +24,7 @@ from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, Sha
 from megasparse.data.tokenizer import (encode_documents, file_sha256, init_worker, load_tokenizer, token_dtype,
                                        train_tokenizer)
 from megasparse.errors import UserError
+from megasparse.progress import Progress
 
 DOCUMENTS_PER_TASK = 64
 
@@ -66,7 +66,7 @@ def _build(cfg: DataConfig, staging: Path, sources: list[str], progress: bool) -
     dtype = token_dtype(vocab_size)
     writers = {split: ShardWriter(staging, split, dtype, cfg.shard_tokens) for split in ("train", "val")}
 
-    bar = tqdm(desc="tokenizing", unit="doc", disable=not progress, dynamic_ncols=True)
+    bar = Progress("tokenizing", "doc", enabled=progress)
     tokens, labels = 0, collections.deque()
 
     def texts() -> Iterator[list[str]]:  # the encoder's input; the split of each document waits in labels

@@ -1,4 +1,5 @@
-"""Run metrics: JSON lines, TensorBoard scalars (when installed) and a progress bar, on rank 0 only.
+"""Run metrics: JSON lines, TensorBoard scalars (when installed) and progress (a bar on a terminal, plain
+lines in a log: :mod:`megasparse.progress`), on rank 0 only.
 
 ``<output_dir>/metrics.jsonl`` holds one object per line, ``{"event": "train" | "eval" | "topology", "step": s, ...}``.
 On resume, lines past the resumed step (written by the interrupted run after its last
@@ -10,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from megasparse.progress import Progress
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -32,8 +33,7 @@ class MetricsLogger:
         self._truncate_after(start_step)
         self._file = self.path.open("a")
         self._board = _summary_writer(output_dir / "tensorboard") if tensorboard else None
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                         disable=not progress_bar, dynamic_ncols=True)
+        self._bar = Progress("train", "step", total=total_steps, initial=start_step, enabled=progress_bar)
 
     def log(self, event: str, step: int, **values: float) -> None:
         if not self.enabled:
@@ -45,7 +45,7 @@ class MetricsLogger:
                 self._board.add_scalar(f"{event}/{key}", value, step)
         if event == "train":
             self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}",
-                                  mem_gb=f"{values['memory_gb']:.2f}", refresh=False)
+                                  mem_gb=f"{values['memory_gb']:.2f}")
         elif event == "eval":
             self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
 

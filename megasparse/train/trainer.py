@@ -243,7 +243,6 @@ class Trainer:
                 self.metrics.log("topology", self.step, **self.topology.update(self.step))
             window_loss += loss
             window_steps += 1
-            self.metrics.advance()
             if log_now:
                 dist.all_reduce(window_loss, group=self.dp_group)
                 elapsed = time.perf_counter() - window_start
@@ -262,6 +261,7 @@ class Trainer:
                 self.metrics.log("train", self.step, **values)
                 window_loss.zero_()
                 window_steps, window_start = 0, time.perf_counter()
+            self.metrics.advance()
             if t.eval_samples > 0 and self._due(t.eval_interval, at_end=True):
                 self._evaluate()
                 window_start = time.perf_counter()
