@@ -1,13 +1,18 @@
 """megasparse: memory-efficient LLM pretraining on DeepSpeed (SMET sparse training, Spectron low-rank)."""
+import runpy
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+# The tested torch and DeepSpeed ranges have one source, which the start-up warning reads too.
+TESTED = runpy.run_path(str(HERE / "megasparse" / "versions.py"))["TESTED"]
 
 setup(
     name="megasparse",
     version="0.1.0",
     description="Memory-efficient LLaMA pretraining on DeepSpeed: dynamic sparse (SMET) and native low-rank (Spectron) training",
-    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megasparse", "megasparse.*"]),
@@ -15,8 +20,8 @@ setup(
     # tree, an editable or a plain install) has them next to its modules.
     package_data={"megasparse.configs": ["*.yaml"], "megasparse.launch": ["*.sbatch"]},
     install_requires=[
-        "torch>=2.4",
-        "deepspeed>=0.16",
+        *(f"{name}{spec}" for name, spec in TESTED.items()),
+        "packaging",
         "sentencepiece>=0.2",
         "datasets>=2.19",
         "numpy",

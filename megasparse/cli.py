@@ -12,10 +12,14 @@ from megasparse.config import Config, load_config
 from megasparse.convert.cli import add_checkpoint_commands
 from megasparse.errors import UserError
 from megasparse.launch.cli import add_launch_commands
+from megasparse.parallel.launch_env import first_process
+from megasparse.versions import warn_if_untested
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if first_process():
+        warn_if_untested()
     try:
         return args.run(args) or 0
     except UserError as exc:

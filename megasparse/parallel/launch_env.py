@@ -37,6 +37,16 @@ _MPI_VARS = {
 }
 
 
+def first_process(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this is rank 0 as far as the launcher's rank variable tells, read without checking the rest
+    (for what one process of a job should say, before the ranks are discovered)."""
+    env = os.environ if environ is None else environ
+    for name in ("RANK", *(names[0] for names in _MPI_VARS.values()), "SLURM_PROCID"):
+        if name in env:
+            return env[name].strip() == "0"
+    return True
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     launcher: str  # "single", "env" (torchrun, deepspeed, ...), "openmpi", "mpich" or "slurm"
