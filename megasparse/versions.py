@@ -18,12 +18,22 @@ TESTED = {
 }
 
 
+def lowest_tested(name: str) -> str:
+    """The lower end of ``name``'s tested range (the release CI installs to test it)."""
+    return next(spec.version for spec in _specifiers(name) if spec.operator == ">=")
+
+
+def _specifiers(name: str):
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(TESTED[name])
+
+
 def untested(installed: dict[str, str] | None = None) -> list[str]:
     """``"deepspeed 0.20.1 (tested: >=0.19.0,<0.20)"`` for each package of :data:`TESTED` whose installed
     release (or the one given in ``installed``) is outside its tested range."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
     found = []
@@ -32,7 +42,7 @@ def untested(installed: dict[str, str] | None = None) -> list[str]:
             release = (installed or {}).get(name) or version(name)
         except PackageNotFoundError:
             continue  # torch and deepspeed are requirements: their absence fails loudly elsewhere
-        if not SpecifierSet(spec).contains(Version(release), prereleases=True):
+        if not _specifiers(name).contains(Version(release), prereleases=True):
             found.append(f"{name} {release} (tested: {spec})")
     return found
 

@@ -7,7 +7,7 @@ import sys
 
 from packaging.requirements import Requirement
 
-from megasparse.versions import TESTED, untested
+from megasparse.versions import TESTED, lowest_tested, untested
 
 
 def test_the_installed_requirements_are_the_tested_ranges():
@@ -16,6 +16,10 @@ def test_the_installed_requirements_are_the_tested_ranges():
     for name, spec in TESTED.items():
         assert required[name] == str(Requirement(f"{name}{spec}").specifier), name
         assert "<" in spec and ">=" in spec, f"{name}: a tested range has both ends"
+
+
+def test_lowest_tested_release():
+    assert lowest_tested("deepspeed") == "0.19.0" and lowest_tested("torch") == "2.13"
 
 
 def test_this_environment_is_inside_the_ranges():
