@@ -70,18 +70,21 @@ class Bounds:
         return f"{'<' if high_open else '<='} {show(high)}"
 
 
-PathKind = Literal["output_directory", "existing_directory", "existing_file"]
+PathKind = Literal["output_directory", "dataset_directory", "existing_directory", "existing_file"]
 
 
 def number(default: Any, *, gt: float | str | None = None, ge: float | str | None = None,
            lt: float | str | None = None, le: float | str | None = None, hint: str = "") -> Any:
     """A numeric key (int, float, or a tuple of them, bounded elementwise) and the values it may take."""
+    if gt is None and ge is None and lt is None and le is None:
+        raise TypeError("number() needs at least one bound")
     return field(default=default, metadata={"bounds": Bounds(gt, ge, lt, le, hint)})
 
 
 def path_key(default: str, kind: PathKind) -> Any:
-    """A path key: ``output_directory`` (an existing directory, or one that can be created: megasparse writes
-    there), ``existing_directory`` or ``existing_file`` (read); empty means unset."""
+    """A path key (empty means unset): ``output_directory``, written, so an existing directory that is
+    writable or one that can be created; ``dataset_directory``, read if it exists (a directory), created
+    otherwise; ``existing_directory`` or ``existing_file``, read."""
     return field(default=default, metadata={"path": kind})
 
 
@@ -134,7 +137,7 @@ class ModelConfig:
 class DataConfig:
     """Where the packed token shards are, and how ``prepare-data`` makes them."""
 
-    path: str = path_key("data/stdlib", "output_directory")  # prepared dataset (index.json, shards, tokenizer.model)
+    path: str = path_key("data/stdlib", "dataset_directory")  # prepared dataset (index.json, shards, tokenizer.model)
     seq_len: int = number(256, ge=2)
     files: list[str] = field(default_factory=list)  # .txt/.jsonl/.json/.parquet files or globs
     hf_dataset: str = ""  # a Hugging Face hub dataset, streamed (needs network)
@@ -188,7 +191,7 @@ class SMETConfig:
 
     mode: Literal["smet", "naive"] = "smet"  # naive: one global step, no warm-up, no density scaling
     slot_warmup_steps: int = number(100, ge=0)  # W: a regrown weight's learning rate rises linearly over W steps
-    density_lr_power: float = number(0.5, ge=0)  # p: the sparse weights' learning rate is lr * d^(-p); 0 turns it off
+    density_lr_power: float = number(0.5, ge=0, le=1)  # p: the sparse weights' rate is lr * d^(-p), at most lr / d; 0: off
 
 
 @section
@@ -216,8 +219,8 @@ class ParallelConfig:
 
     zero_stage: Literal[0, 1, 2] = 0
     tensor_parallel: int = number(1, ge=1)  # T: ranks that split each layer; the data-parallel degree is processes / T
-    timeout_minutes: float = number(30.0, gt=0)  # collectives that wait longer than this fail
-    heartbeat_seconds: float = number(5.0, ge=0)  # each rank's heartbeat, which names a dead or hung rank; 0: off
+    timeout_minutes: float = number(30.0, gt=0, le=525_600)  # collectives that wait longer than this fail (<= a year)
+    heartbeat_seconds: float = number(5.0, ge=0, le=3600)  # each rank's heartbeat, which names a dead or hung rank; 0: off
 
 
 @section
@@ -356,17 +359,20 @@ class Config:
 
 def _path_problem(path: Path, kind: PathKind) -> str | None:
     """What stands in the way of using ``path`` as ``kind`` (None if nothing)."""
-    if kind == "existing_file":
-        return None if path.is_file() else f"'{path}' is a directory, not a file" if path.is_dir() else \
-            f"'{path}' does not exist"
-    if kind == "existing_directory":
-        return None if path.is_dir() else f"'{path}' is a file, not a directory" if path.exists() else \
-            f"'{path}' does not exist"
-    if path.exists():
-        if not path.is_dir():
-            return f"'{path}' is a file, not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else f"'{path}' is not writable"
-    parent = next(p for p in path.absolute().parents if p.exists())
+    try:
+        if kind == "existing_file":
+            return None if path.is_file() else f"'{path}' is a directory, not a file" if path.is_dir() else \
+                f"'{path}' does not exist"
+        if kind == "existing_directory" or (kind == "dataset_directory" and path.exists()):
+            return None if path.is_dir() else f"'{path}' is a file, not a directory" if path.exists() else \
+                f"'{path}' does not exist"
+        if path.exists():
+            if not path.is_dir():
+                return f"'{path}' is a file, not a directory"
+            return None if os.access(path, os.W_OK | os.X_OK) else f"'{path}' is not writable"
+        parent = next(p for p in path.absolute().parents if p.exists())
+    except OSError as exc:  # a directory on the way that cannot be searched
+        return f"cannot access '{exc.filename or path}': {exc.strerror or exc}"
     if not parent.is_dir():
         return f"cannot create '{path}': '{parent}' is a file, not a directory"
     return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot create '{path}': '{parent}' is not writable"

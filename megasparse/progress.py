@@ -5,7 +5,8 @@ refresh as a line of its own; there a :class:`Progress` writes one line when ano
 total is done or 30 s have passed since its last line, and one at the end, as DeepSpeed and torchtitan
 log their steps::
 
-    tokenizing: 12,000 doc (40%), 950.2 doc/s, tokens=3,100,000
+    train: 400/1,000 step (40%), 2.1 step/s, loss=3.4120, tok_s=8,600, mem_gb=1.21
+    tokenizing: 12,000 doc, 950.2 doc/s, tokens=3,100,000          (no total: every 30 s)
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class Progress:
         self.desc, self.unit, self.total, self.n = desc, unit, total, initial
         self.enabled, self._stream, self._clock = enabled, stream or sys.stderr, clock
         self._postfix: dict[str, Any] = {}
-        self._bar = tqdm(desc=desc, unit=unit, total=total, initial=initial, file=self._stream, dynamic_ncols=True,
-                         disable=not enabled) if enabled and self._stream.isatty() else None
+        self._bar = tqdm(desc=desc, unit=unit, total=total, initial=initial, file=self._stream,
+                         dynamic_ncols=True) if enabled and self._stream.isatty() else None
         self._start = self._last_line = clock()
         self._start_n = self._line_n = initial
         self._next_part = initial * LINE_PARTS // total + 1 if total else None

@@ -8,14 +8,16 @@ another package's pin) can still hold another release: :func:`warn_if_untested` 
 """
 from __future__ import annotations
 
+import os
 import sys
 from functools import cache
 from typing import IO
 
 TESTED = {
-    "torch": ">=2.13,<2.14",
+    "torch": ">=2.13.0a0,<2.14",  # a0: NVIDIA's container builds of 2.13 call themselves 2.13.0a0+<commit>
     "deepspeed": ">=0.19.0,<0.20",
 }
+CHECKED = "MEGASPARSE_VERSIONS_CHECKED"  # set for the processes a command starts: one warning per job
 
 
 def lowest_tested(name: str) -> str:
@@ -34,22 +36,29 @@ def untested(installed: dict[str, str] | None = None) -> list[str]:
     release (or the one given in ``installed``) is outside its tested range."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
     found = []
     for name, spec in TESTED.items():
         try:
             release = (installed or {}).get(name) or version(name)
+            inside = _specifiers(name).contains(Version(release), prereleases=True)
         except PackageNotFoundError:
             continue  # torch and deepspeed are requirements: their absence fails loudly elsewhere
-        if not _specifiers(name).contains(Version(release), prereleases=True):
+        except InvalidVersion:
+            inside = False
+        if not inside:
             found.append(f"{name} {release} (tested: {spec})")
     return found
 
 
 @cache
 def warn_if_untested(stream: IO[str] | None = None) -> None:
-    """One warning line (once per process) naming every installed release outside its tested range."""
+    """One warning line naming every installed release outside its tested range: once per process, and not
+    at all in the processes that a command which already checked starts (``MEGASPARSE_VERSIONS_CHECKED``)."""
+    if os.environ.get(CHECKED):
+        return
+    os.environ[CHECKED] = "1"
     outside = untested()
     if outside:
         print(f"megasparse: warning: installed {', '.join(outside)}; megasparse is tested only inside these ranges "

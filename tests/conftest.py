@@ -12,12 +12,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import close_fork_server, make_corpus, megasparse, tiny_config, write_config  # noqa: E402
+from helpers import close_fork_server, fork_server, make_corpus, megasparse, tiny_config, write_config  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _fork_server():
-    """The fork server (helpers.fork_server, started on first use) ends with the session."""
+    """The fork server (helpers.fork_server) starts with the session, so that its imports and DeepSpeed's
+    JIT-built op happen while the first tests run, and ends with it."""
+    fork_server()
     yield
     close_fork_server()
 

@@ -4,9 +4,13 @@ Most of a tiny test run's time is Python importing torch and DeepSpeed (about 5 
 8-step run here). This server imports them once and forks a child per requested process. Every child
 is a real, separate process -- its own memory, process group, DeepSpeed state, signals and exit
 status -- that runs ``megasparse.cli.main`` as ``python -m megasparse`` would, with the environment,
-working directory and standard output and error files the request names. Only the interpreter's
-start-up is shared. (The interpreter's own entry point, ``python -m megasparse``, is run for real by
-the launcher tests.)
+working directory and standard output and error files the request names, and leaves as the
+interpreter does (non-daemon threads joined, exit functions run). Only the interpreter's start-up is
+shared, and with it what is read while importing: ``DS_ACCELERATOR`` and the like come from the
+server's environment (``OMP_NUM_THREADS``, which the OpenMP runtime reads when it loads, is applied
+again). What the shared start skips -- ``python -m megasparse`` itself, and the interpreter's
+finalisation with the process group's destructors -- is run for real by the launcher tests and by
+``helpers.megasparse(..., launcher="python")``.
 
 Protocol, one JSON object per line: requests on standard input
 ``{"id", "argv", "env", "cwd", "stdout", "stderr"}``; replies on the file descriptor given as the
@@ -22,6 +26,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import traceback
 
 POLL_S = 0.01  # how often the children are reaped while some are running
@@ -31,13 +36,22 @@ def serve(replies: int) -> None:
     # The heavy imports, once; nothing here may start a thread or run a torch operation (the children
     # inherit the process as it is at the fork).
     import deepspeed  # noqa: F401
-    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (ZeRO's optimizer check imports it: 1-2 s)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported by the first torch.optim.Optimizer: 1.5 s)
+    try:  # ZeRO's optimizer check imports it (1-2 s); a private module, so only if this release has it
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass
 
     import megasparse.cli  # noqa: F401
     import megasparse.convert.cli  # noqa: F401
     import megasparse.train.trainer  # noqa: F401
+    from deepspeed.comm.torch import build_shm_op
+
+    try:  # DeepSpeed's JIT-built CPU collective op (compiled on first use, ~20 s): built and loaded once, here
+        build_shm_op()
+    except Exception as exc:  # then each child meets the problem itself, and reports it
+        print(f"forkserver: cannot build DeepSpeed's shared-memory op: {exc}", file=sys.stderr)
 
     requests = sys.stdin.fileno()
     running: dict[int, str] = {}
@@ -87,6 +101,10 @@ def _child(request: dict, server_fds: tuple[int, ...]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if "OMP_NUM_THREADS" in os.environ:  # read by the OpenMP runtime when it loaded, in the server
+            import torch
+
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         sys.argv = [sys.executable, *request["argv"]]
         from megasparse.cli import main
 
@@ -99,7 +117,8 @@ def _child(request: dict, server_fds: tuple[int, ...]) -> None:
     except BaseException:  # as the interpreter reports an uncaught exception
         traceback.print_exc()
     finally:
-        try:
+        try:  # the interpreter's own exit: wait for non-daemon threads, then the exit functions
+            threading._shutdown()
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()

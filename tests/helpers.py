@@ -125,11 +125,13 @@ class ForkServer:
 
     def __init__(self) -> None:
         self._replies_read, replies_write = os.pipe()
-        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")),
-                                       str(replies_write)], stdin=subprocess.PIPE, pass_fds=(replies_write,),
-                                      env=os.environ.copy())
-        os.close(replies_write)
         self._root = Path(tempfile.mkdtemp(prefix="megasparse-forks-"))
+        self._log = self._root / "server.log"
+        with self._log.open("w") as log:
+            self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")),
+                                           str(replies_write)], stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                          pass_fds=(replies_write,), env=os.environ.copy())
+        os.close(replies_write)
         self._replies: dict[str, dict[str, int]] = {}
         self._changed = threading.Condition()
         self._count = itertools.count()
@@ -151,7 +153,7 @@ class ForkServer:
         with self._changed:
             while key not in self._replies.get(ident, {}):
                 if None in self._replies:
-                    raise RuntimeError("the test fork server has died (see its output above)")
+                    raise RuntimeError(f"the test fork server has died:\n{self._log.read_text()[-4000:]}")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError
@@ -202,10 +204,14 @@ def rank_env(rank: int, nproc: int, port: str) -> dict[str, str]:
 
 
 def start_ranks(args: list[str], nproc: int, env: dict[str, str] | None = None, cwd: Path | None = None) -> list[Forked]:
-    """``megasparse ARGS`` in ``nproc`` forked rank processes (one process group), not waited for."""
+    """``megasparse ARGS`` in ``nproc`` forked rank processes (one process group), not waited for; ``env``
+    is added to this process's environment."""
+    return spawn_ranks(args, nproc, {**os.environ, **(env or {})}, cwd)
+
+
+def spawn_ranks(args: list[str], nproc: int, env: dict[str, str], cwd: Path | None) -> list[Forked]:
     port = str(free_port())
-    return [fork_server().spawn(list(args), {**os.environ, **(env or {}), **rank_env(r, nproc, port)}, cwd)
-            for r in range(nproc)]
+    return [fork_server().spawn(list(args), {**env, **rank_env(r, nproc, port)}, cwd) for r in range(nproc)]
 
 
 def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str, str] | None = None,
@@ -213,14 +219,19 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
     """Run ``megasparse ARGS`` in ``nproc`` processes started by ``launcher``:
     ``env`` (one forked process per rank with the torch.distributed variables, as torchrun sets them; see
     forkserver.py), ``none`` (one forked process without them: for ``megasparse launch``), or for real:
-    ``torchrun``, ``deepspeed`` or ``mpiexec`` (each rank runs ``python -m megasparse``).
-    An ``env`` value of None unsets that variable."""
+    ``python`` (one ``python -m megasparse`` per rank with those variables), ``torchrun``, ``deepspeed``
+    or ``mpiexec``. An ``env`` value of None unsets that variable."""
     base_env = {key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None}
-    if launcher in ("env", "none"):
+    if launcher in ("env", "none", "python"):
         if launcher == "env":
-            procs = start_ranks(list(args), nproc, base_env, cwd)
-        else:
+            procs = spawn_ranks(list(args), nproc, base_env, cwd)
+        elif launcher == "none":
             procs = [fork_server().spawn(list(args), base_env, cwd)]
+        else:
+            port = str(free_port())
+            procs = [subprocess.Popen([sys.executable, "-m", "megasparse", *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                      env={**base_env, **rank_env(r, nproc, port)}) for r in range(nproc)]
         outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
         return Result(max((p.returncode for p in procs), key=abs), "".join(o for o, _ in outputs),
                       "".join(e for _, e in outputs))

@@ -30,6 +30,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 MpiDefault=none
 SlurmdParameters=config_overrides
 StateSaveLocation={root}/state

@@ -211,13 +211,16 @@ FAMILIES = number_cases() + path_cases() + [
 
 
 def test_every_numeric_and_path_key_has_its_family():
+    """Each declared key has at least one generated case (a number whose bounds admit 0, -1 and infinity
+    alike would have none)."""
     declared = {key for key, f in Config().keys() if "bounds" in f.metadata or "path" in f.metadata}
     covered = {case.message.split(":")[0].split("[")[0] for case in FAMILIES}
     assert declared <= covered, declared - covered
 
 
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+def snapshot(directory: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and directory (None) below ``directory``."""
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in sorted(directory.rglob("*"))}
 
 
 @pytest.mark.parametrize("case", CASES + FAMILIES, ids=[case.name for case in CASES + FAMILIES])
@@ -260,9 +263,10 @@ COMMON = {"model", "data", "optimizer", "parallel", "training", "checkpoint", "l
 
 @pytest.mark.parametrize("method,sections", [("smet", COMMON | {"sparse", "smet"}),
                                              ("spectron", COMMON | {"lowrank", "spectron"})])
-def test_zero_where_allowed_means_what_its_key_says(corpus, tmp_path, method, sections):
+def test_every_admitted_zero_trains(corpus, tmp_path, method, sections):
     """All the zeros the bounds admit at once, on 2 ranks, the data prepared by the run itself: the run
-    trains to the end (no evaluation, no checkpoint but the final one, no validation split)."""
+    trains to the end, and the zeros whose effect shows do what their keys say (no validation split, no
+    evaluation, no checkpoint but the final one, no warm-up, no gradient clipping)."""
     zeros = zero_where_allowed(sections)
     assert sum(len(keys) for keys in zeros.values()) >= 15, zeros
     cfg = tiny_config(tmp_path / "tokens", tmp_path / "out", method, training={"micro_batch_size": 4})
@@ -276,3 +280,6 @@ def test_zero_where_allowed_means_what_its_key_says(corpus, tmp_path, method, se
     assert [p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*")] == ["step_00000008"]
     splits = json.loads((tmp_path / "tokens" / "index.json").read_text())["splits"]
     assert splits["train"]["tokens"] > 0 and splits.get("val", {}).get("tokens", 0) == 0
+    peak = cfg["spectron"]["lr"] if method == "spectron" else cfg["optimizer"]["lr"]  # the first group's (p = 0)
+    assert records[0]["lr"] == pytest.approx(peak)  # warmup_steps=0: the peak rate at once
+    assert json.loads((tmp_path / "out" / "deepspeed.json").read_text())["gradient_clipping"] == 0

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import TIMEOUT_S, assert_same_model, checkpoint, megasparse, tiny_config, train_losses, write_config
+from helpers import (TIMEOUT_S, assert_same_model, checkpoint, fork_server, megasparse, tiny_config, train_losses,
+                     write_config)
 from megasparse.parallel.launch_env import free_port
 from slurm_cluster import SlurmCluster, missing_programs
 
@@ -47,12 +46,12 @@ def test_launcher_matches_two_process_run(runs, dataset, tmp_path, launch):
     ["deepspeed", "--hosts", "localhost:1,127.0.0.1:1"],  # DeepSpeed without ssh, once per node
 ])
 def test_two_nodes_on_loopback_match_one_node(runs, dataset, tmp_path, launch):
+    """Each node's `megasparse launch` (a forked process) starts its launcher for real."""
     config, port = _config(dataset, tmp_path), str(free_port())
-    nodes = [subprocess.Popen([sys.executable, "-m", "megasparse", "launch", launch[0], str(config), *launch[1:],
-                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port],
-                              env={**os.environ, **ONE_THREAD}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
+    nodes = [fork_server().spawn(["launch", launch[0], str(config), *launch[1:], "--node-rank", str(rank),
+                                  "--master-addr", "127.0.0.1", "--master-port", port], {**os.environ, **ONE_THREAD})
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=TIMEOUT_S) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     _assert_matches(tmp_path / "out", runs(1, 2, 1))
 

@@ -53,6 +53,18 @@ def assert_exact(out: Path, uninterrupted: Path, tp: int) -> None:
             assert torch.equal(actual[name], tensor), name
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_real_ranks_leave_cleanly(dataset, tmp_path, refused):
+    """Two real ``python -m megasparse`` ranks (not forked: the interpreter's own finalisation runs, with the
+    process group's destructors): a finished run exits 0, and one refused after the process group started
+    (a resume from nowhere) exits 2 with one line per rank; neither aborts at exit."""
+    config = fault_config(dataset, tmp_path / "out", "dense")
+    resume = ["--resume", str(tmp_path / "nowhere")] if refused else []
+    result = megasparse("train", str(config), *resume, nproc=2, launcher="python")
+    assert result.returncode == (2 if refused else 0), result.stderr[-3000:]
+    assert len(result.error_lines()) == (2 if refused else 0) and "terminate called" not in result.stderr
+
+
 # rank 1 killed at step 5 (the survivor names it; the checkpoint of step 4 is the newest) and rank 0, which
 # hosts the rendezvous store, at step 6 (one step lost), with the two optimizers whose state goes beyond Adam's
 @pytest.mark.parametrize("method,seed", [("smet", 9), ("spectron", 10)])

@@ -79,8 +79,8 @@ def _build(cfg: DataConfig, staging: Path, sources: list[str], progress: bool) -
             for split, ids in zip(labels.popleft(), encoded):
                 writers[split].write(ids)
                 tokens += ids.size
-            bar.update(len(encoded))
             bar.set_postfix(tokens=f"{tokens:,}")
+            bar.update(len(encoded))
     bar.close()
 
     splits = {split: writer.close() for split, writer in writers.items()}

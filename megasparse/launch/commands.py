@@ -25,13 +25,13 @@ def train_arguments(config: str, overrides: list[str], resume: str | None) -> li
     return ["train", source, *[a for o in overrides for a in ("--set", o)], *(["--resume", resume] if resume else [])]
 
 
-def checked_config(config: str, overrides: list[str], world_size: int) -> Config:
+def checked_config(config: str, overrides: list[str], world_size: int, resume: str | None) -> Config:
     """The run's config, checked as every rank will check it before training (:func:`preflight`) for
     ``world_size`` processes."""
     from megasparse.train.trainer import preflight  # imports DeepSpeed: only once the arguments are read
 
     cfg = load_config(config, overrides)
-    preflight(cfg, world_size)
+    preflight(cfg, world_size, resume)
     return cfg
 
 

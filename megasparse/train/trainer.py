@@ -53,7 +53,7 @@ from megasparse.train.schedule import LearningRateSchedule
 
 def train(cfg: Config, resume: str | None = None) -> "Trainer":
     """Run (or continue, with ``resume``) the training described by ``cfg``; returns the finished trainer."""
-    parallel = start_processes(cfg)
+    parallel = start_processes(cfg, resume)
     world = dist.get_world_size()
     heartbeat = Heartbeat(dist.get_rank(), world, cfg.parallel.heartbeat_seconds,
                           cfg.parallel.timeout_minutes * 60) if world > 1 and cfg.parallel.heartbeat_seconds > 0 else None
@@ -74,23 +74,27 @@ def train(cfg: Config, resume: str | None = None) -> "Trainer":
     return trainer
 
 
-def start_processes(cfg: Config) -> ParallelState:
+def start_processes(cfg: Config, resume: str | None = None) -> ParallelState:
     """Find this process's rank, refuse what is wrong before any other process is needed (:func:`preflight`),
     join the process group, create the TP x DP groups."""
     launch = discover_launch_env()
-    preflight(cfg, launch.world_size)
+    preflight(cfg, launch.world_size, resume)
     init_distributed(launch, cfg.parallel.timeout_minutes)
     return create_groups(cfg.parallel.tensor_parallel)
 
 
-def preflight(cfg: Config, world_size: int) -> None:
+def preflight(cfg: Config, world_size: int, resume: str | None = None) -> None:
     """Everything that can be refused from the config and the files alone: the config for this number of
-    processes, its paths, the layer shapes (sparse densities, low-rank ranks) and an existing dataset."""
+    processes, its paths (``checkpoint.init_from`` only for a run that will not resume), the layer shapes
+    (sparse densities, low-rank ranks), and the dataset if it exists, otherwise the sources to prepare it."""
     cfg.validate(split_world(world_size, cfg.parallel.tensor_parallel))
-    cfg.check_paths()
+    resumes = resume is not None and (resume != "auto" or bool(complete_checkpoints(cfg.checkpoint_dir)))
+    cfg.check_paths(key for key, _ in cfg.keys() if not (resumes and key == "checkpoint.init_from"))
     layer_factory(cfg)
     if (Path(cfg.data.path) / INDEX_FILE).exists():
         usable_windows(cfg, open_prepared(Path(cfg.data.path)))
+    else:
+        describe_sources(cfg.data)  # the files to prepare it from exist
 
 
 def load_or_prepare(cfg: Config) -> PreparedData:
