@@ -15,12 +15,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import close_fork_server, fork_server, make_corpus, megasparse, tiny_config, write_config  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _fork_server():
-    """The fork server (helpers.fork_server) starts with the session, so that its imports and DeepSpeed's
-    JIT-built op happen while the first tests run, and ends with it."""
-    fork_server()
-    yield
+# Tests that start no process group: they run first, while the fork server imports torch and DeepSpeed
+# and builds DeepSpeed's JIT op (about 30 s on a fresh checkout), which every training process needs.
+NO_PROCESS_GROUP = {"test_config", "test_data", "test_docs", "test_launch_env", "test_model", "test_progress",
+                    "test_schedule", "test_smet", "test_spectron", "test_structure", "test_versions"}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.module.__name__ not in NO_PROCESS_GROUP)  # stable: file order kept
+    if any(item.module.__name__ not in NO_PROCESS_GROUP for item in items):
+        fork_server()  # its start-up runs beside the first tests
+
+
+def pytest_sessionfinish(session):
     close_fork_server()
 
 

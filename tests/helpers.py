@@ -219,34 +219,29 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
     """Run ``megasparse ARGS`` in ``nproc`` processes started by ``launcher``:
     ``env`` (one forked process per rank with the torch.distributed variables, as torchrun sets them; see
     forkserver.py), ``none`` (one forked process without them: for ``megasparse launch``), or for real:
-    ``python`` (one ``python -m megasparse`` per rank with those variables), ``torchrun``, ``deepspeed``
-    or ``mpiexec``. An ``env`` value of None unsets that variable."""
+    ``python`` (one ``python -m megasparse`` per rank with those variables) or ``torchrun`` (the other
+    launchers are run for real through ``megasparse launch``). An ``env`` value of None unsets that
+    variable."""
     base_env = {key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None}
-    if launcher in ("env", "none", "python"):
-        if launcher == "env":
-            procs = spawn_ranks(list(args), nproc, base_env, cwd)
-        elif launcher == "none":
-            procs = [fork_server().spawn(list(args), base_env, cwd)]
-        else:
-            port = str(free_port())
-            procs = [subprocess.Popen([sys.executable, "-m", "megasparse", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=cwd,
-                                      env={**base_env, **rank_env(r, nproc, port)}) for r in range(nproc)]
-        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-        return Result(max((p.returncode for p in procs), key=abs), "".join(o for o, _ in outputs),
-                      "".join(e for _, e in outputs))
-    port = str(free_port())
-    bindir = Path(sys.executable).parent
-    commands = {
-        "torchrun": [str(bindir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port,
-                     "-m", "megasparse", *args],
-        "deepspeed": [str(bindir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
-                      "--module", "megasparse", *args],
-        "mpiexec": [str(bindir / "mpiexec"), "-n", str(nproc), sys.executable, "-m", "megasparse", *args],
-    }
-    proc = subprocess.run(commands[launcher], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
-                          env=base_env)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    if launcher == "torchrun":
+        command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
+                   str(free_port()), "-m", "megasparse", *args]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd, env=base_env)
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+    if launcher == "env":
+        procs = spawn_ranks(list(args), nproc, base_env, cwd)
+    elif launcher == "none":
+        procs = [fork_server().spawn(list(args), base_env, cwd)]
+    elif launcher == "python":
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, "-m", "megasparse", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=cwd, env={**base_env, **rank_env(r, nproc, port)})
+                 for r in range(nproc)]
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}")
+    outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    return Result(max((p.returncode for p in procs), key=abs), "".join(o for o, _ in outputs),
+                  "".join(e for _, e in outputs))
 
 
 def megasparse_here(*args: str) -> Result:
