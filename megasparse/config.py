@@ -325,8 +325,8 @@ class Config:
         return self
 
     def check_paths(self, keys: Iterable[str] | None = None) -> None:
-        """Check the path keys (all, or those named) against the file system: an output directory must be a
-        directory, or creatable, and writable; an input must exist and be of its kind. Fails with the key."""
+        """Check the path keys (all, or those named) against the file system, each as its kind says
+        (:func:`path_key`); an empty ``checkpoint.dir`` is checked as the place it stands for. Fails with the key."""
         wanted = None if keys is None else set(keys)
         for key, declared in self.keys():
             kind = declared.metadata.get("path")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import cache
-from typing import IO
 
 TESTED = {
     "torch": ">=2.13.0a0,<2.14",  # a0: NVIDIA's container builds of 2.13 call themselves 2.13.0a0+<commit>
@@ -52,14 +50,14 @@ def untested(installed: dict[str, str] | None = None) -> list[str]:
     return found
 
 
-@cache
-def warn_if_untested(stream: IO[str] | None = None) -> None:
-    """One warning line naming every installed release outside its tested range: once per process, and not
-    at all in the processes that a command which already checked starts (``MEGASPARSE_VERSIONS_CHECKED``)."""
+def warn_if_untested() -> None:
+    """One warning line on standard error naming every installed release outside its tested range: once per
+    job, since the check marks the environment (``MEGASPARSE_VERSIONS_CHECKED``) that this process and the
+    processes it starts share."""
     if os.environ.get(CHECKED):
         return
     os.environ[CHECKED] = "1"
     outside = untested()
     if outside:
         print(f"megasparse: warning: installed {', '.join(outside)}; megasparse is tested only inside these ranges "
-              "(it reaches into DeepSpeed's ZeRO internals)", file=stream or sys.stderr, flush=True)
+              "(it reaches into DeepSpeed's ZeRO internals)", file=sys.stderr, flush=True)

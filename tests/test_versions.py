@@ -6,7 +6,7 @@ import os
 from packaging.requirements import Requirement
 
 from megasparse.cli import main
-from megasparse.versions import CHECKED, TESTED, lowest_tested, untested, warn_if_untested
+from megasparse.versions import CHECKED, TESTED, lowest_tested, untested
 
 
 def test_the_installed_requirements_are_the_tested_ranges():
@@ -60,13 +60,9 @@ def test_start_up_warns_once_per_job_on_rank_0(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(CHECKED, raising=False)
     for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
-    warn_if_untested.cache_clear()
     assert warnings_of(["config", "quickstart"], capsys) == [WARNING]
     assert os.environ[CHECKED] == "1"
-    warn_if_untested.cache_clear()
     assert warnings_of(["config", "quickstart"], capsys) == []  # a process started by the first one
     monkeypatch.delenv(CHECKED)
     monkeypatch.setenv("RANK", "1")
-    warn_if_untested.cache_clear()
     assert warnings_of(["config", "quickstart"], capsys) == []  # rank 1
-    warn_if_untested.cache_clear()

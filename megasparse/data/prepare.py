@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 from megasparse.config import DataConfig
 from megasparse.data.corpus import describe_sources, iter_documents, validation_source
 from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, ShardWriter, open_prepared, write_index
