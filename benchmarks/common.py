@@ -9,8 +9,9 @@ import platform
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from megasparse.parallel.launch_env import free_port
@@ -19,16 +20,30 @@ REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
 
 
-def run_workers(script: str, nproc: int, worker_args: dict[str, Any]) -> dict[str, Any]:
-    """Run ``script --worker ARGS.json RESULT.json`` in ``nproc`` processes under torchrun and return
-    the JSON that rank 0 wrote."""
+def run_workers(script: str, nproc: int, worker_args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``script --worker ARGS.json RESULT.json`` in ``nproc`` processes under torchrun (with ``env`` added to
+    the environment) and return the JSON that rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
         args.write_text(json.dumps(worker_args))
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--master_port", str(free_port()), script, "--worker", str(args), str(result)]
-        subprocess.run(command, check=True, env={**os.environ, "TMPDIR": tmp})
+        subprocess.run(command, check=True, env={**os.environ, **(env or {}), "TMPDIR": tmp})
         return json.loads(result.read_text())
+
+
+def run_many(script: str, worker_args: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    """One-process :func:`run_workers` runs of ``script``, ``jobs`` at a time (one thread each when more than
+    one), results in the order of ``worker_args``."""
+    env = {"OMP_NUM_THREADS": "1"} if jobs > 1 else None
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda args: run_workers(script, 1, args, env), worker_args))
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 def start_trainer(overrides: list[str]):
@@ -126,19 +141,19 @@ def write_report(path: Path | None, report: dict[str, Any]) -> None:
         path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def wikitext_dataset() -> tuple[Path, str]:
-    """WikiText-2 prepared with an 8k tokenizer (train: valid.txt, evaluate: test.txt), or the
-    embedded corpus when ../shared/data is absent; returns the dataset path and a description."""
+def wikitext_dataset(vocab_size: int = 8000) -> tuple[Path, str]:
+    """WikiText-2 prepared with a tokenizer of ``vocab_size`` pieces (train: valid.txt, evaluate: test.txt),
+    or the embedded corpus when ../shared/data is absent; returns the dataset path and a description."""
     from megasparse.config import DataConfig
     from megasparse.data.prepare import prepare_data
 
     if not (WIKITEXT / "valid.txt").exists():
         return REPO / "data" / "stdlib", "embedded corpus (WikiText-2 not found)"
-    path = REPO / "data" / "wikitext2"
+    path = REPO / "data" / ("wikitext2" if vocab_size == 8000 else f"wikitext2-{vocab_size}")
     if not (path / "index.json").exists():
         prepare_data(DataConfig(path=str(path), files=[str(WIKITEXT / "valid.txt")],
-                                val_files=[str(WIKITEXT / "test.txt")], vocab_size=8000))
-    return path, "WikiText-2 (train: valid.txt, eval: test.txt)"
+                                val_files=[str(WIKITEXT / "test.txt")], vocab_size=vocab_size))
+    return path, f"WikiText-2 (train: valid.txt, eval: test.txt), {vocab_size}-piece tokenizer"
 
 
 def benchmark_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],

@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (benchmark_main, markdown_table, run_summary, run_workers, stability_overrides,  # noqa: E402
-                    start_trainer, wikitext_dataset, write_report)
+from common import (benchmark_main, markdown_table, run_summary, run_workers, save_figure,  # noqa: E402
+                    stability_overrides, start_trainer, wikitext_dataset, write_report)
 
 RUNS = [("dense", None, None), ("naive", 0.5, "naive"), ("smet", 0.5, "smet"), ("naive", 0.25, "naive"),
         ("smet", 0.25, "smet")]
@@ -81,7 +81,9 @@ def _worker(a: dict, result: Path) -> None:
     method = ([] if a["density"] is None else
               ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                f"sparse.update_interval={a['interval']}", f"sparse.prune_fraction={a['zeta']}",
-               f"smet.mode={a['mode']}", f"smet.slot_warmup_steps={a['slot_warmup']}"])
+               f"smet.mode={a['mode']}", f"smet.slot_warmup_steps={a['slot_warmup']}",
+               # the SMET of this benchmark's results: linear rate warm-up, lr d^-1/2 for the sparse weights only
+               "smet.warmup_form=lr", "smet.density_lr_power=0.5", "smet.density_lr_groups=sparse"])
     output_dir = result.parent / "run"
     start_trainer(stability_overrides(a, output_dir) + method).run()
     result.write_text(json.dumps({"method": a["method"], "density": a["density"], **run_summary(output_dir)}))
@@ -149,9 +151,7 @@ def _plot(runs: list[dict], updates: list[int], path: Path, corpus: str, setting
     triggered.set_xlabel("steps after a topology update")
     triggered.set_ylabel("mean rise of the gap to dense")
     triggered.set_title("update-triggered average over all updates")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (benchmark_main, markdown_table, run_summary, run_workers, stability_overrides,  # noqa: E402
-                    start_trainer, wikitext_dataset, write_report)
+from common import (benchmark_main, markdown_table, run_summary, run_workers, save_figure,  # noqa: E402
+                    stability_overrides, start_trainer, wikitext_dataset, write_report)
 
 METHODS = ("dense-adamw", "lowrank-adamw", "lowrank-spectron")
 NORM_EVERY = 10
@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> None:
                                       "lr": args.adamw_lr * m, "eta": args.spectron_lr * m})
             for m in args.multipliers for method in METHODS]
     for run in runs:
-        run.update(_stability(run["train_loss"]))
+        run.update(stability(run["train_loss"]))
     print(_table(runs))
     write_report(args.out, {"corpus": corpus, "settings": settings, "runs": runs})
     if args.plot:
@@ -59,14 +59,25 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _worker(a: dict, result: Path) -> None:
+    method = {"dense-adamw": [], "lowrank-adamw": ["model.layer=lowrank"],
+              "lowrank-spectron": ["model.layer=lowrank", "optimizer.name=spectron", f"spectron.lr={a['eta']}",
+                                   "spectron.shape_scale=false"]}  # as this benchmark's results were taken
+    output_dir = result.parent / "run"
+    trainer = start_trainer(stability_overrides(a, output_dir) + method[a["method"]])
+    norms = spectral_norm_probe(trainer)
+    trainer.run()
+    result.write_text(json.dumps({"method": a["method"], "multiplier": a["multiplier"], "lr": a["lr"],
+                                  "eta": a["eta"] if a["method"] == "lowrank-spectron" else None,
+                                  **run_summary(output_dir), "spectral_norm": norms}))
+
+
+def spectral_norm_probe(trainer) -> list[list[float]]:
+    """Every NORM_EVERY steps of ``trainer``, [step, the largest ||A||_2 + ||B||_2 over its factorised layers]
+    (dense models: the largest ||W||_2 of a projection), appended to the returned list as it trains."""
     import torch
 
     from megasparse.lowrank.layers import LowRankLinear
 
-    method = {"dense-adamw": [], "lowrank-adamw": ["model.layer=lowrank"],
-              "lowrank-spectron": ["model.layer=lowrank", "optimizer.name=spectron", f"spectron.lr={a['eta']}"]}
-    output_dir = result.parent / "run"
-    trainer = start_trainer(stability_overrides(a, output_dir) + method[a["method"]])
     modules = list(trainer.engine.module.modules())
     norms: list[list[float]] = []
     train_step = trainer._train_step
@@ -83,13 +94,12 @@ def _worker(a: dict, result: Path) -> None:
         return out
 
     trainer._train_step = step_and_measure
-    trainer.run()
-    result.write_text(json.dumps({"method": a["method"], "multiplier": a["multiplier"], "lr": a["lr"],
-                                  "eta": a["eta"] if a["method"] == "lowrank-spectron" else None,
-                                  **run_summary(output_dir), "spectral_norm": norms}))
+    return norms
 
 
-def _stability(losses: list[float]) -> dict:
+def stability(losses: list[float]) -> dict:
+    """Divergence (a non-finite loss, or a final EMA-smoothed loss above its first value) and the largest
+    spike (rise of the smoothed loss above its best so far, relative to that best)."""
     if not all(math.isfinite(x) for x in losses):
         return {"diverged": True, "spike": math.inf}
     ema, best, spike, smoothed = losses[0], losses[0], 0.0, []
@@ -139,9 +149,7 @@ def _plot(runs: list[dict], path: Path, corpus: str) -> None:
         axes[1][column].set_yscale("log")
         axes[1][column].legend(fontsize=7)
     fig.suptitle(corpus)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

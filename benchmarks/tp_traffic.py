@@ -65,7 +65,7 @@ def _layer_traffic(a: dict) -> list[dict]:
     from megasparse.parallel.distributed import init_distributed
     from megasparse.parallel.groups import create_groups
     from megasparse.parallel.launch_env import discover_launch_env
-    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, WeightInit
     from megasparse.parallel.mappings import TensorParallel
 
     init_distributed(discover_launch_env(), 30.0)
@@ -77,8 +77,9 @@ def _layer_traffic(a: dict) -> list[dict]:
         column = role in COLUMN_ROLES
         rank = round(0.25 * in_features)
         layers = {
-            "dense": (ColumnParallelLinear if column else RowParallelLinear)(in_features, out_features, tp, 0.02),
-            "lowrank": LowRankLinear(in_features, out_features, rank, 0.02, tp, "column" if column else "row"),
+            "dense": (ColumnParallelLinear if column else RowParallelLinear)(in_features, out_features, tp,
+                                                                                     WeightInit(0.02)),
+            "lowrank": LowRankLinear(in_features, out_features, rank, WeightInit(0.02), tp, "column" if column else "row"),
         }
         row = {"role": role, "shape": [out_features, in_features], "split": "column" if column else "row",
                "rank": rank}

@@ -1,7 +1,8 @@
 """Run configuration: one YAML file per run, backed by typed dataclasses.
 
-A config is built in three layers, later ones winning: the dataclass defaults, the YAML file,
-then ``--set section.key=value`` overrides. ``model.preset`` fills the model shape from
+A config is built in three layers, later ones winning: the dataclass defaults, the YAML file
+(on top of the config its ``base:`` names, if any, merged key by key), then ``--set section.key=value``
+overrides. ``model.preset`` fills the model shape from
 :data:`megasparse.model.presets.MODEL_PRESETS`; keys written next to it override the preset.
 Every key is declared once, in its section: its type, its default and, for a number, the values it may
 take (:func:`number`; a section refuses a number without bounds), for a path, what it must name
@@ -125,6 +126,11 @@ class ModelConfig:
     norm_eps: float = number(1e-5, gt=0)
     rope_theta: float = number(10000.0, gt=0)
     tie_embeddings: bool = False
+    # How the weights start (megasparse.model.llama.weight_inits): scaled_normal: N(0, init_std^2), the outputs of
+    # the residual branches (o_proj, down_proj) N(0, init_std^2 / 2L) (GPT-2, Megatron); normal: N(0, init_std^2)
+    # everywhere (SMET's reference code); torch: PyTorch's module defaults, linear U(+-1/sqrt(in)) and embedding
+    # N(0, 1) (Spectron's reference code)
+    init: Literal["scaled_normal", "normal", "torch"] = "scaled_normal"
     init_std: float = number(0.02, gt=0)
     layer: Literal["dense", "sparse", "lowrank"] = "dense"  # the attention/MLP projections: see `sparse`, `lowrank`
 
@@ -190,8 +196,15 @@ class SMETConfig:
     """The SMET optimizer: Adam on the active weights only (``optimizer.name: smet``)."""
 
     mode: Literal["smet", "naive"] = "smet"  # naive: one global step, no warm-up, no density scaling
-    slot_warmup_steps: int = number(100, ge=0)  # W: a regrown weight's learning rate rises linearly over W steps
-    density_lr_power: float = number(0.5, ge=0, le=1)  # p: the sparse weights' rate is lr * d^(-p), at most lr / d; 0: off
+    slot_warmup_steps: int = number(100, ge=0)  # W: a regrown weight's warm-up lasts W of its steps; 0: none
+    # moment: the first moment is multiplied by min(t/W, 1) at every step, t the weight's own step count (the
+    # reference code; it also damps every weight in the first W steps); lr: the rate ramps as lr * min(t/W, 1)
+    warmup_form: Literal["moment", "lr"] = "moment"
+    # p: the rate is lr * d^(-p), at most lr / d (1: lr / d, as the paper's hand-set rates); 0: off
+    density_lr_power: float = number(1.0, ge=0, le=1)
+    # all: one rate lr * d^(-p) for every parameter, d = sparse.density (the paper's runs); sparse: the weights of each
+    # sparse layer only, at its own density
+    density_lr_groups: Literal["all", "sparse"] = "all"
 
 
 @section
@@ -211,6 +224,11 @@ class SpectronConfig:
     momentum: float = number(0.95, ge=0, lt=1)
     nesterov: bool = True
     ns_steps: int = number(5, gt=0)  # Newton-Schulz iterations
+    # each orthogonalised update times sqrt(max(1, rows / cols)) (Muon's shape adjustment, on in the reference):
+    # A (out x r) by sqrt(out / r), B (r x in) by 1
+    shape_scale: bool = True
+    orthogonalise: bool = True  # false (ablation): the factors step along AdamW's direction instead of NS(momentum)
+    renormalise: bool = True  # false (ablation): rho = eta instead of eta / (sigma_A + sigma_B + 1)
 
 
 @section
@@ -447,14 +465,14 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return _build(Config, raw, "")
 
 
-def _read_yaml(source: str) -> dict[str, Any]:
-    path = Path(source)
-    if not path.exists():
-        shipped = shipped_configs()
-        if source not in shipped:
-            known = ", ".join(sorted(shipped))
-            raise ConfigError(f"config '{source}' is neither a file nor a shipped config (shipped: {known})")
-        path = shipped[source]
+def _read_yaml(source: str, including: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping of config ``source`` (a file, or a shipped config's name), with its ``base:`` (another
+    config, by name or by a path relative to this file) read first and merged under it section by section,
+    key by key; ``including``: the files whose ``base:`` led here."""
+    path = _config_path(source, including[-1].parent if including else None)
+    if path.resolve() in including:
+        chain = " -> ".join(str(p) for p in (*including, path.resolve()))
+        raise ConfigError(f"{including[-1]}: base: configs include each other ({chain})")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -467,7 +485,34 @@ def _read_yaml(source: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a mapping of sections, got {type(data).__name__}")
-    return data
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base: expected the name or path of a config, got {base!r}")
+    return _merged(_read_yaml(base, (*including, path.resolve())), data)
+
+
+def _config_path(source: str, relative_to: Path | None) -> Path:
+    """The file of config ``source``: a path (from the including file's directory, if any, else from here),
+    or the name of a shipped config."""
+    for path in ([relative_to / source] if relative_to else []) + [Path(source)]:
+        if path.exists():
+            return path
+    shipped = shipped_configs()
+    if source not in shipped:
+        known = ", ".join(sorted(shipped))
+        raise ConfigError(f"config '{source}' is neither a file nor a shipped config (shipped: {known})")
+    return shipped[source]
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``: mappings merge key by key, anything else (lists too) is replaced."""
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = _merged(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

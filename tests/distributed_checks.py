@@ -19,7 +19,8 @@ from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.parallel.distributed import shutdown_distributed
 from megasparse.parallel.groups import create_groups
-from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                        VocabParallelHead, WeightInit)
 from megasparse.parallel.mappings import TensorParallel
 
 
@@ -38,9 +39,9 @@ def mlp_pair(tp: TensorParallel, lowrank: bool) -> float:
     def build(t: TensorParallel):
         torch.manual_seed(0)
         if lowrank:
-            return (LowRankLinear(16, 24, 6, 0.3, t, "column" if t.size > 1 else None),
-                    LowRankLinear(24, 12, 5, 0.3, t, "row" if t.size > 1 else None))
-        return ColumnParallelLinear(16, 24, t, 0.3), RowParallelLinear(24, 12, t, 0.3)
+            return (LowRankLinear(16, 24, 6, WeightInit(0.3), t, "column" if t.size > 1 else None),
+                    LowRankLinear(24, 12, 5, WeightInit(0.3), t, "row" if t.size > 1 else None))
+        return ColumnParallelLinear(16, 24, t, WeightInit(0.3)), RowParallelLinear(24, 12, t, WeightInit(0.3))
 
     split, whole = build(tp), build(TensorParallel())
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -72,7 +73,7 @@ def vocab_parallel(tp: TensorParallel) -> float:
     """Embedding, head and cross-entropy split over the vocabulary against F.embedding/F.cross_entropy."""
     def build(t):
         torch.manual_seed(0)
-        return VocabParallelEmbedding(20, 8, t, 1.0), VocabParallelHead(8, 20, t, 0.5)
+        return VocabParallelEmbedding(20, 8, t, WeightInit(1.0)), VocabParallelHead(8, 20, t, WeightInit(0.5))
 
     (emb, head), (emb_whole, head_whole) = build(tp), build(TensorParallel())
     ids = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(2))

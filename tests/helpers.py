@@ -34,16 +34,19 @@ def make_corpus(directory: Path) -> Path:
 
 
 # Method variants of the tiny run: extra config sections. SMET: density 0.3, a topology update
-# every 2 steps (3 updates in 8 steps), a 3-step slot warm-up, a gentler learning rate.
+# every 2 steps (3 updates in 8 steps), a 3-step slot warm-up, a gentler learning rate (lr / d = 3.3e-3
+# for every parameter).
 METHODS: dict[str, dict[str, dict[str, Any]]] = {
     "dense": {},
-    "smet": {"model": {"layer": "sparse"}, "optimizer": {"name": "smet", "lr": 3e-3, "min_lr": 1e-4},
+    "smet": {"model": {"layer": "sparse"}, "optimizer": {"name": "smet", "lr": 1e-3, "min_lr": 3e-5},
              "sparse": {"density": 0.3, "update_interval": 2}, "smet": {"slot_warmup_steps": 3}},
 }
 METHODS["smet-rigl"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "regrow": "gradient", "init": "erk"}}
 METHODS["naive"] = {**METHODS["smet"], "smet": {"mode": "naive"}}
 # Spectron on factorised projections (rank 0.25 x in_features) with AdamW on the rest.
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
+# The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).
+METHODS["spectron-adam"] = {**METHODS["spectron"], "spectron": {"lr": 0.01, "orthogonalise": False}}
 
 
 def tiny_config(dataset: Path, output_dir: Path, method: str = "dense", **sections: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +171,8 @@ class ForkServer:
         ident = str(next(self._count))
         directory = self._root / ident
         directory.mkdir()
+        for stream in ("stdout", "stderr"):  # there before the child opens them: a reader never races the fork
+            (directory / stream).touch()
         request = {"id": ident, "argv": argv, "env": env, "cwd": str(cwd or Path.cwd()),
                    "stdout": str(directory / "stdout"), "stderr": str(directory / "stderr")}
         self._proc.stdin.write((json.dumps(request) + "\n").encode())

@@ -149,3 +149,50 @@ def test_every_path_key_declares_its_kind():
     assert len(places) == 5
     for key, declared in Config().keys():
         assert (key in places) == ("path" in declared.metadata), key
+
+
+def test_a_config_builds_on_its_base(tmp_path):
+    """``base:`` names another config (shipped, or a path from the including file): its sections merge
+    under this one key by key, lists are replaced, and bases chain."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "middle.yaml").write_text("base: smet-quickstart\ntraining:\n  steps: 70\n"
+                                                  "sparse:\n  targets: [q_proj]\n")
+    (tmp_path / "top.yaml").write_text("base: sub/middle.yaml\ntraining:\n  micro_batch_size: 2\n")
+    cfg = load_config(str(tmp_path / "top.yaml"))
+    shipped = load_config("smet-quickstart")
+    assert (cfg.training.steps, cfg.training.micro_batch_size) == (70, 2)
+    assert cfg.training.global_batch_size == shipped.training.global_batch_size
+    assert cfg.sparse.targets == ["q_proj"] and cfg.sparse.density == shipped.sparse.density
+    assert cfg.optimizer == shipped.optimizer
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"a.yaml": "base: a.yaml\n"}, r"configs include each other \(.*a.yaml -> .*a.yaml\)"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"configs include each other"),
+    ({"a.yaml": "base: nowhere\n"}, r"config 'nowhere' is neither a file nor a shipped config"),
+    ({"a.yaml": "base: [quickstart]\n"}, r"a.yaml: base: expected the name or path of a config"),
+])
+def test_bad_bases(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+@pytest.mark.parametrize("tiny, paper, resized", [
+    ("smet-paper-tiny", "smet-paper-llama-130m", {"optimizer.warmup_steps", "sparse.update_interval",
+                                                   "smet.slot_warmup_steps"}),
+    ("spectron-paper-tiny", "spectron-paper-60m", {"optimizer.warmup_steps"}),
+])
+def test_the_cpu_variants_keep_the_paper_recipe(tiny, paper, resized):
+    """Only sizes, lengths and places differ between a paper config and its CPU variant: every key of the
+    method's recipe (optimizer, sparse, smet, lowrank, spectron, the initialisation, clipping) is the same,
+    apart from the step counts scaled with the run."""
+    small, large = load_config(tiny).to_dict(), load_config(paper).to_dict()
+    for name in ("optimizer", "sparse", "smet", "lowrank", "spectron"):
+        for key, value in large[name].items():
+            if f"{name}.{key}" not in resized:
+                assert small[name][key] == value, f"{name}.{key}"
+    for key in ("layer", "init", "init_std"):
+        assert small["model"][key] == large["model"][key]
+    assert small["training"]["grad_clip"] == large["training"]["grad_clip"]

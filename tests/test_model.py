@@ -108,3 +108,44 @@ def test_output_projections_start_smaller():
     net = tiny()
     block = net.layers[0]
     assert block.mlp.down_proj.weight.std() < 0.6 * block.mlp.up_proj.weight.std()
+
+
+@pytest.mark.parametrize("layer", ["dense", "sparse", "lowrank"])
+def test_weight_init_schemes(layer):
+    """scaled_normal: N(0, s^2), residual outputs N(0, s^2 / 2L); normal: N(0, s^2) everywhere (SMET's code);
+    torch: linear U(+-1/sqrt(in)) (variance 1 / (3 in)) and embedding N(0, 1) (Spectron's code). The
+    low-rank projections start as the best rank-r approximation of such a draw, so for them only the
+    depth scaling is checked."""
+    from megasparse.model.factory import layer_factory
+
+    def model(init: str) -> Llama:
+        cfg = config_from_dict({"model": {"preset": "llama-9m", "init": init, "init_std": 0.05, "layer": layer},
+                                "optimizer": {"name": {"sparse": "smet", "lowrank": "spectron"}.get(layer, "adamw")}})
+        torch.manual_seed(0)
+        return Llama(cfg.validate().model, 512, layer_factory(cfg))
+
+    def std(module) -> float:
+        weight = module.values if layer == "sparse" else module.weight if layer == "dense" else module.A @ module.B
+        return weight.detach().std().item()
+
+    depth = math.sqrt(2 * 4)  # llama-9m: 4 layers
+    scaled, plain, default = model("scaled_normal"), model("normal"), model("torch")
+    for net in (scaled, plain):
+        assert net.embed_tokens.weight.std().item() == pytest.approx(0.05, rel=0.02)
+        assert net.lm_head.weight.std().item() == pytest.approx(0.05, rel=0.02)
+    assert default.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.02)
+    head = default.lm_head.weight
+    assert head.abs().max() <= 1 / math.sqrt(128) and head.std().item() == pytest.approx((3 * 128) ** -0.5, rel=0.02)
+    if layer == "lowrank":  # the same draws, scaled: A B scales with them
+        for proj, ratio in (("up_proj", 1.0), ("down_proj", 1 / depth)):
+            scaled_proj, plain_proj = getattr(scaled.layers[0].mlp, proj), getattr(plain.layers[0].mlp, proj)
+            assert std(scaled_proj) / std(plain_proj) == pytest.approx(ratio, rel=1e-4)
+        return
+    for net, down_std in ((scaled, 0.05 / depth), (plain, 0.05)):
+        assert std(net.layers[0].mlp.up_proj) == pytest.approx(0.05, rel=0.02)
+        assert std(net.layers[0].mlp.down_proj) == pytest.approx(down_std, rel=0.02)
+        assert std(net.layers[0].self_attn.o_proj) == pytest.approx(down_std, rel=0.05)
+    for proj, fan_in in ((default.layers[0].mlp.up_proj, 128), (default.layers[0].mlp.down_proj, 352)):
+        weight = proj.values if layer == "sparse" else proj.weight
+        assert weight.abs().max().item() <= 1 / math.sqrt(fan_in)
+        assert weight.std().item() == pytest.approx((3 * fan_in) ** -0.5, rel=0.02)

@@ -10,6 +10,7 @@ from megasparse.config import config_from_dict
 from megasparse.errors import ConfigError
 from megasparse.model.factory import projection_shapes
 from megasparse.optim.partitions import Fragment
+from megasparse.parallel.layers import WeightInit
 from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import MATURE
@@ -28,15 +29,18 @@ class TwoLayers(nn.Module):
     def __init__(self, density: float) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a = SparseLinear(12, 10, density, init_std=0.5)
-        self.b = SparseLinear(10, 8, density, init_std=0.5)
+        self.a = SparseLinear(12, 10, density, WeightInit(0.5))
+        self.b = SparseLinear(10, 8, density, WeightInit(0.5))
         self.gain = nn.Parameter(torch.ones(10))
 
 
 class MaskedAdamReference:
-    """Dense AdamW on the masked matrix with one step count per entry, written out plainly."""
+    """Dense AdamW on the masked matrix with one step count per entry, written out plainly, with SMET's
+    warm-up of ``form``: "lr" ramps a regrown entry's rate over its first W steps; "moment" multiplies
+    every entry's stored first moment by min(t/W, 1), t its own count, which restarts at 1 on regrowth."""
 
-    def __init__(self, layer: SparseLinear, lr: float, betas, eps, decay, warmup: int, per_entry: bool) -> None:
+    def __init__(self, layer: SparseLinear, lr: float, betas, eps, decay, warmup: int, per_entry: bool,
+                 form: str) -> None:
         self.w = layer.dense_weight().detach().clone().double()
         self.mask = torch.zeros_like(self.w, dtype=torch.bool)
         self.mask.view(-1)[layer.index.long()] = True
@@ -44,6 +48,7 @@ class MaskedAdamReference:
         self.t = torch.zeros_like(self.w)
         self.regrown = torch.zeros_like(self.mask)
         self.lr, self.betas, self.eps, self.decay, self.warmup, self.per_entry = lr, betas, eps, decay, warmup, per_entry
+        self.form = form
         self.global_t = 0
 
     def step(self, grad: torch.Tensor) -> None:
@@ -51,10 +56,12 @@ class MaskedAdamReference:
         self.global_t += 1
         self.t[self.mask] += 1
         t = self.t if self.per_entry else torch.full_like(self.t, self.global_t)
-        self.m = torch.where(self.mask, b1 * self.m + (1 - b1) * grad, self.m)
-        self.v = torch.where(self.mask, b2 * self.v + (1 - b2) * grad**2, self.v)
         warm = (t / self.warmup).clamp(max=1) if self.warmup and self.per_entry else torch.ones_like(t)
-        lr = self.lr * torch.where(self.regrown, warm, torch.ones_like(warm))
+        damp = warm if self.form == "moment" else torch.ones_like(warm)
+        self.m = torch.where(self.mask, damp * (b1 * self.m + (1 - b1) * grad), self.m)
+        self.v = torch.where(self.mask, b2 * self.v + (1 - b2) * grad**2, self.v)
+        ramp = warm if self.form == "lr" else torch.ones_like(warm)
+        lr = self.lr * torch.where(self.regrown, ramp, torch.ones_like(ramp))
         update = lr * (self.m / (1 - b1**t)) / ((self.v / (1 - b2**t)).sqrt() + self.eps)
         self.w = torch.where(self.mask, self.w * (1 - lr * self.decay) - update, self.w)
 
@@ -67,21 +74,23 @@ class MaskedAdamReference:
         for pos in new - old:
             self.mask.view(-1)[pos] = True
             self.regrown.view(-1)[pos] = True
+            self.t.view(-1)[pos] = 1 if self.form == "moment" else 0
 
 
-@pytest.mark.parametrize("mode", ["smet", "naive"])
+@pytest.mark.parametrize("mode, form", [("smet", "moment"), ("smet", "lr"), ("naive", "moment")])
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.5, 0.6)])  # (0.5, 0.6): cohorts mature and ids are reused
-def test_smet_step_equals_a_dense_masked_reference(mode, betas):
+def test_smet_step_equals_a_dense_masked_reference(mode, form, betas):
     cfg = sparse_config(optimizer={"lr": 0.01, "betas": list(betas), "weight_decay": 0.1},
                         sparse={"density": 0.3, "update_interval": 4, "prune_fraction": 0.3},
-                        smet={"mode": mode, "slot_warmup_steps": 3})
+                        smet={"mode": mode, "slot_warmup_steps": 5, "warmup_form": form})
     model = TwoLayers(0.3)
     optimizer = build_optimizer(cfg, model)
     updater = TopologyUpdater(model, cfg.sparse, 60, seed=7, optimizer=optimizer,
                               fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
     group_lr = next(g["lr"] for g in optimizer.param_groups if g.get("sparse"))
-    assert group_lr == pytest.approx(0.01 * 0.3**-0.5 if mode == "smet" else 0.01)
-    refs = [MaskedAdamReference(layer, group_lr, betas, 1e-8, 0.1, 3, mode == "smet") for layer in (model.a, model.b)]
+    assert group_lr == pytest.approx(0.01 / 0.3 if mode == "smet" else 0.01)  # lr / d in every group by default
+    refs = [MaskedAdamReference(layer, group_lr, betas, 1e-8, 0.1, 5, mode == "smet", form)
+            for layer in (model.a, model.b)]
     generator = torch.Generator().manual_seed(1)
     for step in range(1, 61):
         for layer, ref in zip((model.a, model.b), refs):
@@ -104,12 +113,13 @@ def test_smet_step_equals_a_dense_masked_reference(mode, betas):
         assert (cohorts == MATURE).any()
 
 
-def constant_gradient_run(mode: str, steps_before: int, steps_after: int, warmup: int = 10):
+def constant_gradient_run(mode: str, steps_before: int, steps_after: int, warmup: int = 10, form: str = "moment"):
     """One 4x4 layer at density 0.5, a constant gradient of 1, one regrowth after ``steps_before``
     steps: returns the regrown slot's weight after each later step."""
     cfg = sparse_config(optimizer={"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
-                        smet={"mode": mode, "slot_warmup_steps": warmup, "density_lr_power": 0.0})
-    layer = SparseLinear(4, 4, 0.5, init_std=1.0)
+                        smet={"mode": mode, "slot_warmup_steps": warmup, "density_lr_power": 0.0,
+                              "warmup_form": form})
+    layer = SparseLinear(4, 4, 0.5, WeightInit(1.0))
     optimizer = build_optimizer(cfg, layer)
     for _ in range(steps_before):
         layer.values.grad = torch.ones_like(layer.values)
@@ -124,17 +134,60 @@ def constant_gradient_run(mode: str, steps_before: int, steps_after: int, warmup
     return weights
 
 
+def updates(weights: list[float]) -> list[float]:
+    return (-torch.diff(torch.tensor([0.0] + weights, dtype=torch.float64))).tolist()
+
+
 def test_naive_regrown_slot_takes_a_3x_step():
-    first = -constant_gradient_run("naive", steps_before=20000, steps_after=1)[0]
-    assert first / 1e-3 == pytest.approx((1 - 0.9) / math.sqrt(1 - 0.999), rel=1e-6)
-    assert first / 1e-3 == pytest.approx(3.16228, rel=1e-5)
+    steps = updates(constant_gradient_run("naive", steps_before=20000, steps_after=300))
+    assert steps[0] / 1e-3 == pytest.approx((1 - 0.9) / math.sqrt(1 - 0.999), rel=1e-6)
+    assert steps[0] / 1e-3 == pytest.approx(3.16228, rel=1e-5)
+    peak = max(range(300), key=lambda k: steps[k])  # (1 - b1^t) / sqrt(1 - b2^t) with global bias corrections ~1
+    assert peak + 1 == 12 and steps[peak] / 1e-3 == pytest.approx(6.6, abs=0.05)
+    assert min(steps[:280]) > 2e-3 and steps[299] < 2e-3  # above 2 lr until age ~290
 
 
 def test_smet_regrown_slot_warms_up_linearly():
-    weights = constant_gradient_run("smet", steps_before=50, steps_after=12, warmup=10)
-    steps = -torch.diff(torch.tensor([0.0] + weights, dtype=torch.float64))
+    steps = updates(constant_gradient_run("smet", steps_before=50, steps_after=12, warmup=10, form="lr"))
     expected = [1e-3 * min(1, t / 10) for t in range(1, 13)]
-    assert steps.tolist() == pytest.approx(expected, rel=1e-6)
+    assert steps == pytest.approx(expected, rel=1e-6)
+
+
+def test_smet_moment_warmup_damps_the_first_moment_at_every_step():
+    """The reference's form: the count restarts at 1 on regrowth, so the first update is at t = 2, and
+    m_t = min(t/W, 1) (b1 m_{t-1} + (1 - b1) g) compounds; for g = 1 written out here."""
+    steps = updates(constant_gradient_run("smet", steps_before=50, steps_after=150, warmup=100))
+    m = v = 0.0
+    expected = []
+    for t in range(2, 152):
+        m = min(t / 100, 1.0) * (0.9 * m + 0.1)
+        v = 0.999 * v + 0.001
+        expected.append(1e-3 * (m / (1 - 0.9**t)) / (math.sqrt(v / (1 - 0.999**t)) + 1e-8))
+    assert steps == pytest.approx(expected, rel=1e-5)
+    assert steps[0] / 1e-3 == pytest.approx(0.0149, abs=2e-4)  # the first update: 0.015 lr (lr form: lr / W)
+    assert sum(steps[:100]) / 1e-3 == pytest.approx(16, abs=1)  # 16 lr over W = 100 updates (lr form: 50 lr)
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0])
+def test_density_scaled_rates(power):
+    """``all``: every group at lr d^-p with the model's density (the paper's hand-set rates); ``sparse``:
+    each sparse layer at its own density, the rest at lr; naive mode: no scaling."""
+    model = nn.Module()
+    model.a, model.b = SparseLinear(12, 10, 0.3, WeightInit(0.5)), SparseLinear(10, 8, 0.6, WeightInit(0.5))
+    model.emb, model.gain = nn.Parameter(torch.ones(5, 4)), nn.Parameter(torch.ones(4))
+    for groups, mode in (("all", "smet"), ("sparse", "smet"), ("all", "naive")):
+        cfg = sparse_config(optimizer={"lr": 0.01}, sparse={"density": 0.25},
+                            smet={"mode": mode, "density_lr_power": power, "density_lr_groups": groups})
+        rates = [(g.get("density"), g["lr"]) for g in build_optimizer(cfg, model).param_groups]
+        if mode == "naive":
+            expected = [(0.3, 0.01), (0.6, 0.01), (None, 0.01), (None, 0.01)]
+        elif groups == "all":
+            expected = [(0.3, 0.01 * 0.25**-power), (0.6, 0.01 * 0.25**-power), (None, 0.01 * 0.25**-power),
+                        (None, 0.01 * 0.25**-power)]
+        else:
+            expected = [(0.3, 0.01 * 0.3**-power), (0.6, 0.01 * 0.6**-power), (None, 0.01), (None, 0.01)]
+        assert [d for d, _ in rates] == [d for d, _ in expected]
+        assert [lr for _, lr in rates] == pytest.approx([lr for _, lr in expected]), (groups, mode)
 
 
 def test_topology_update_keeps_density_exact_and_prunes_the_smallest():
@@ -207,7 +260,7 @@ def test_erk_keeps_the_overall_density_and_favours_small_layers():
 
 def test_sparse_layer_matches_its_dense_weight():
     torch.manual_seed(0)
-    layer = SparseLinear(6, 5, 0.4, init_std=1.0)
+    layer = SparseLinear(6, 5, 0.4, WeightInit(1.0))
     x = torch.randn(3, 6, requires_grad=True)
     dense = layer.dense_weight().detach().clone().requires_grad_()
     (layer(x) ** 2).sum().backward()

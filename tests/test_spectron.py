@@ -1,5 +1,7 @@
 """Spectron and the low-rank layer in one process: the step against a plain reference, the
 spectral bound on the change of W, orthogonalisation, balanced initialisation, config checks."""
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from megasparse.lowrank.linalg import newton_schulz
 from megasparse.lowrank.spectron import factor_pairs
 from megasparse.model.factory import layer_factory
 from megasparse.optim.partitions import Fragment
+from megasparse.parallel.layers import WeightInit
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.train.optim import build_optimizer
 
@@ -28,7 +31,7 @@ class Pair(nn.Module):
     def __init__(self, rank: int = 4) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.proj = LowRankLinear(20, 12, rank, init_std=0.3)
+        self.proj = LowRankLinear(20, 12, rank, WeightInit(0.3))
         self.gain = nn.Parameter(torch.ones(12))
 
 
@@ -46,15 +49,22 @@ def reference_newton_schulz(m: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def test_step_equals_the_written_out_algorithm():
+@pytest.mark.parametrize("shape_scale, orthogonalise, renormalise",
+                         [(True, True, True), (False, True, True), (True, True, False), (True, False, True),
+                          (True, False, False)])
+def test_step_equals_the_written_out_algorithm(shape_scale, orthogonalise, renormalise):
+    """Spectron and its ablations, written out: A is 12 x 4, so its orthogonalised update is scaled by
+    sqrt(12 / 4) (B, 4 x 20: by 1); without orthogonalisation the factors follow AdamW's direction."""
     model = Pair()
-    optimizer = attached(model, spectron={"lr": 0.05, "momentum": 0.9, "nesterov": True},
-                         optimizer={"weight_decay": 0.1})
+    optimizer = attached(model, spectron={"lr": 0.05, "momentum": 0.9, "nesterov": True, "shape_scale": shape_scale,
+                                          "orthogonalise": orthogonalise, "renormalise": renormalise},
+                         optimizer={"weight_decay": 0.1, "betas": [0.8, 0.9], "eps": 1e-6})
     a, b = model.proj.A.detach().clone(), model.proj.B.detach().clone()
     momentum = {"A": torch.zeros_like(a), "B": torch.zeros_like(b)}
+    adam = {key: [torch.zeros_like(x), torch.zeros_like(x)] for key, x in (("A", a), ("B", b))}
     vectors = [v.clone() for v in optimizer._power_vectors(factor_pairs(model)[0])]
     generator = torch.Generator().manual_seed(3)
-    for _ in range(4):
+    for t in range(1, 5):
         grads = {"A": torch.randn(a.shape, generator=generator), "B": torch.randn(b.shape, generator=generator)}
         model.proj.A.grad, model.proj.B.grad = grads["A"], grads["B"]
         model.gain.grad = torch.randn(12, generator=generator)
@@ -66,30 +76,42 @@ def test_step_equals_the_written_out_algorithm():
             w = matrix.T @ u
             sigmas.append(w.norm())
             vectors[i] = w / w.norm()
-        rho = 0.05 / (sigmas[0] + sigmas[1] + 1)
-        directions = {}
+        rho = 0.05 / (sigmas[0] + sigmas[1] + 1) if renormalise else 0.05
+        steps = {}
         for key in ("A", "B"):
             momentum[key] = 0.9 * momentum[key] + 0.1 * grads[key]
-            directions[key] = 0.1 * grads[key] + 0.9 * momentum[key]  # Nesterov
-        a = a * (1 - 0.05 * 0.1) - rho * reference_newton_schulz(directions["A"])
-        b = b * (1 - 0.05 * 0.1) - rho * reference_newton_schulz(directions["B"].T).T
+            direction = 0.1 * grads[key] + 0.9 * momentum[key]  # Nesterov
+            m, v = adam[key]
+            m.mul_(0.8).add_(0.2 * grads[key])
+            v.mul_(0.9).add_(0.1 * grads[key] ** 2)
+            if not orthogonalise:
+                steps[key] = (m / (1 - 0.8**t)) / ((v / (1 - 0.9**t)).sqrt() + 1e-6)
+            elif key == "A":
+                steps[key] = reference_newton_schulz(direction) * (math.sqrt(12 / 4) if shape_scale else 1.0)
+            else:
+                steps[key] = reference_newton_schulz(direction.T).T
+        a = a * (1 - 0.05 * 0.1) - rho * steps["A"]
+        b = b * (1 - 0.05 * 0.1) - rho * steps["B"]
         torch.testing.assert_close(model.proj.A.detach(), a, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model.proj.B.detach(), b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_step_changes_w_by_at_most_eta_in_spectral_norm():
-    """||dW||_2 <= rho (||O_A|| sigma_B + sigma_A ||O_B||) + rho^2 ||O_A|| ||O_B||, and with the quintic's
-    ||O||_2 <= 1.25 this stays below eta (1 + 0.25): the tolerance is the overshoot of Newton-Schulz."""
+@pytest.mark.parametrize("shape_scale", [False, True])
+def test_a_step_changes_w_by_at_most_eta_in_spectral_norm(shape_scale):
+    """||dW||_2 <= rho (s_A ||O_A|| sigma_B + s_B sigma_A ||O_B||) + rho^2 s_A s_B ||O_A|| ||O_B||, and with
+    the quintic's ||O||_2 <= 1.25 this stays below max(s) eta (1 + 0.25): the tolerance is the overshoot of
+    Newton-Schulz; A is 48 x 12, so s_A = 2 with the shape factor."""
+    bound = 0.1 * 1.25 * (2.0 if shape_scale else 1.0)
     for seed in range(5):
         torch.manual_seed(seed)
-        layer = LowRankLinear(64, 48, 12, init_std=float(torch.rand(()) + 0.1))
-        optimizer = attached(layer, spectron={"lr": 0.1}, optimizer={"weight_decay": 0.0})
+        layer = LowRankLinear(64, 48, 12, WeightInit(float(torch.rand(()) + 0.1)))
+        optimizer = attached(layer, spectron={"lr": 0.1, "shape_scale": shape_scale}, optimizer={"weight_decay": 0.0})
         for _ in range(3):
             before = layer.A.detach() @ layer.B.detach()
             layer.A.grad, layer.B.grad = torch.randn_like(layer.A), torch.randn_like(layer.B)
             optimizer.step()
             change = torch.linalg.matrix_norm(layer.A.detach() @ layer.B.detach() - before, 2).item()
-            assert change <= 0.1 * 1.25, (seed, change)
+            assert change <= bound, (seed, change)
 
 
 def test_newton_schulz_orthogonalises():
@@ -110,7 +132,7 @@ def test_balanced_factors_are_the_best_rank_r_approximation():
 
 
 def test_lowrank_forward_never_forms_w():
-    layer = LowRankLinear(10, 7, 3, init_std=1.0)
+    layer = LowRankLinear(10, 7, 3, WeightInit(1.0))
     x = torch.randn(4, 10)
     torch.testing.assert_close(layer(x), x @ (layer.A @ layer.B).T)
     assert {n for n, _ in layer.named_parameters()} == {"A", "B"}

@@ -21,6 +21,15 @@ def test_same_losses_in_every_layout(runs, tp, dp, zero):
     assert spectral == pytest.approx([r["spectral_norm_max"] for r in read_metrics(reference)], rel=1e-5)
 
 
+@pytest.mark.parametrize("tp,dp,zero", [(2, 2, 2)])  # TP shards and ZeRO partitions at once
+def test_ablation_without_orthogonalisation_across_layouts(runs, tp, dp, zero):
+    """The factors' AdamW direction (``spectron.orthogonalise: false``) partitions like Adam's moments."""
+    reference = runs(0, 1, 1, method="spectron-adam")
+    run = runs(zero, tp * dp, 1, method="spectron-adam", tp=tp)
+    assert train_losses(run) == pytest.approx(train_losses(reference), rel=1e-5)
+    assert train_losses(reference) != pytest.approx(train_losses(runs(0, 1, 1, method="spectron")), rel=1e-3)
+
+
 @pytest.mark.parametrize("tp,dp,zero", [(1, 1, 0), (2, 1, 2), (1, 2, 1)])
 def test_gradient_accumulation(runs, tp, dp, zero):
     reference = runs(0, 1, 1, method="spectron")

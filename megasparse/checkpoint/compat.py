@@ -28,7 +28,7 @@ def check_same_model(saved: Config, cfg: Config, source: str) -> None:
         theirs = getattr(saved.model, key)
         if key == "n_kv_heads":  # 0 means n_heads
             theirs, ours = saved.model.kv_heads, cfg.model.kv_heads
-        if key not in ("preset", "init_std") and theirs != ours:
+        if key not in ("preset", "init", "init_std") and theirs != ours:
             raise UserError(f"{source} is for another model: model.{key}={theirs}, this config has {ours}")
 
 

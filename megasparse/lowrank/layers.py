@@ -1,8 +1,8 @@
 """``LowRankLinear``: a projection W = A B trained as its factors, never formed.
 
 A is out x r, B is r x in, and y = (x B^T) A^T costs r (in + out) multiply-adds per token
-instead of in x out. The factors start balanced from a normally initialised dense matrix
-W_0 = U S V^T: A = U_r S_r^(1/2), B = S_r^(1/2) V_r^T (the best rank-r approximation of W_0,
+instead of in x out. The factors start balanced from a dense matrix
+W_0 = U S V^T drawn as ``init`` says: A = U_r S_r^(1/2), B = S_r^(1/2) V_r^T (the best rank-r approximation of W_0,
 split evenly), as in Spectron (Janson et al. 2026).
 
 Under tensor parallelism:
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megasparse.parallel.layers import normal, sharded_parameter
+from megasparse.parallel.layers import WeightInit, sharded_parameter
 from megasparse.parallel.mappings import TensorParallel, copy_to_region, reduce_from_region
 
 
@@ -35,12 +35,12 @@ def balanced_factors(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
 
 
 class LowRankLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, rank: int, init_std: float,
+    def __init__(self, in_features: int, out_features: int, rank: int, init: WeightInit,
                  tp: TensorParallel = TensorParallel(), parallel: Literal["column", "row"] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.tp, self.parallel = tp, parallel
-        a, b = balanced_factors(normal(out_features, in_features, std=init_std), rank)
+        a, b = balanced_factors(init.linear(out_features, in_features), rank)
         self.A = sharded_parameter(a, tp, dim=0 if parallel == "column" else None)
         self.B = sharded_parameter(b, tp, dim=1 if parallel == "row" else None)
         self.A.lowrank_factor = self.B.lowrank_factor = True  # their optimizer group (megasparse.optim.groups)

@@ -1,17 +1,30 @@
 """Spectron (Janson, Oyallon, Belilovsky 2026): spectrally bounded steps for factorised weights W = A B.
 
-For each factor pair (A, B), with gradients G_A, G_B, per step:
+For each factor pair (A, B), A out x r and B r x in, with gradients G_A, G_B, per step:
 
 1. momentum  M <- b M + (1 - b) G   (b = ``spectron.momentum``; Nesterov: use (1 - b) G + b M);
-2. O = NS(M), quintic Newton-Schulz orthogonalisation (:func:`~megasparse.lowrank.linalg.newton_schulz`);
+2. O = NS(M), quintic Newton-Schulz orthogonalisation (:func:`~megasparse.lowrank.linalg.newton_schulz`),
+   times Muon's shape factor s = sqrt(max(1, rows / cols)) (``spectron.shape_scale``, on in the
+   authors' code): s_A = sqrt(out / r), s_B = 1;
 3. sigma_A, sigma_B: spectral norms of A and B by one power-iteration step from the previous
    step's vectors (:func:`~megasparse.lowrank.linalg.power_iteration`), in fp32;
-4. rho = eta_t / (sigma_A + sigma_B + 1);  A <- A - rho O_A,  B <- B - rho O_B
-   (after decoupled weight decay A <- A (1 - eta_t wd)).
+4. rho = eta_t / (sigma_A + sigma_B + 1);  A <- A (1 - eta_t wd) - rho s_A O_A,  B <- B (1 - eta_t wd) - rho s_B O_B
+   (decoupled decay with the unscaled rate eta_t, as the authors' code does).
 
-Then ||dW||_2 = ||rho (O_A B + A O_B) - rho^2 O_A O_B||_2 <= rho (sigma_A + sigma_B) + rho^2 <= eta_t
-whenever ||O||_2 <= 1 and rho <= 1 (the paper's bound). Every other parameter (embeddings, head,
-norms) gets AdamW in the same optimizer.
+The bound this keeps. With exact orthogonalisation (||O||_2 = 1), exact sigmas and no decay,
+dW = -rho (s_A O_A B + s_B A O_B) + rho^2 s_A s_B O_A O_B, so
+
+    ||dW||_2 <= rho (s_A sigma_B + s_B sigma_A) + rho^2 s_A s_B <= max(s_A, s_B) eta_t   (rho <= 1)
+
+which is the paper's ||dW||_2 <= eta_t only when s = 1 (``shape_scale: false``). In practice three
+things loosen it: five quintic Newton-Schulz steps leave the singular values of O in about
+[0.7, 1.2], not at 1 (so up to about 1.2 max(s) eta_t); one warm-started power step under-estimates
+sigma (never over-), so rho is slightly larger than the true-sigma value early on and after fast
+growth; and the decay adds about 2 eta_t wd ||W||_2.
+
+Ablations (``spectron.orthogonalise``, ``spectron.renormalise``): without orthogonalisation the
+factors step along AdamW's direction m_hat / (sqrt(v_hat) + eps) (their own moments, shape factor
+off); without renormalisation rho = eta_t. Both off is plain low-rank AdamW at rate eta_t.
 
 Placement. The factors of a tensor-parallel layer are split over the tensor-parallel group
 (A by rows in a column-parallel layer, B by columns in a row-parallel one); Newton-Schulz and
@@ -30,6 +43,7 @@ top-level state tensors as partition-shaped.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -71,10 +85,12 @@ def factor_pairs(model: nn.Module) -> list[FactorPair]:
 
 class Spectron(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, momentum: float, nesterov: bool, ns_steps: int) -> None:
+                 weight_decay: float, momentum: float, nesterov: bool, ns_steps: int, shape_scale: bool = True,
+                 orthogonalise: bool = True, renormalise: bool = True) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, spectron=False)
         super().__init__(params, defaults)
         self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
+        self.shape_scale, self.orthogonalise, self.renormalise = shape_scale, orthogonalise, renormalise
         self.pairs: list[FactorPair] = []
         self.spectral_norms: dict[str, torch.Tensor] = {}  # sigma_A + sigma_B per pair at the last step
         self._directions: dict[int, torch.Tensor] = {}  # this step's momentum direction per optimizer tensor
@@ -98,8 +114,10 @@ class Spectron(torch.optim.Optimizer):
                     continue
                 state = self._state(p, group)
                 state["step"] += 1
-                if group["spectron"]:
+                if group["spectron"] and self.orthogonalise:
                     self._directions[id(p)] = self._momentum_direction(state, p.grad)
+                elif group["spectron"]:
+                    self._directions[id(p)] = self._adam_direction(state, p.grad, group)
                 else:
                     adamw_update(p, p.grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
         factor_group = next((g for g in self.param_groups if g["spectron"]), None)
@@ -114,24 +132,41 @@ class Spectron(torch.optim.Optimizer):
         m.lerp_(grad, 1 - self.momentum)
         return grad.lerp(m, self.momentum) if self.nesterov else m
 
+    @staticmethod
+    def _adam_direction(state: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
+        """m_hat / (sqrt(v_hat) + eps) on this rank's partition (the ablation without orthogonalisation)."""
+        (beta1, beta2), t = group["betas"], state["step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
+        return (m / (1 - beta1**t)).div_(denom)
+
     def _step_pair(self, pair: FactorPair, group: dict) -> None:
         lr, decay = group["lr"], group["weight_decay"]
-        a, b = pair.layer.A, pair.layer.B
+        layer, whole = pair.layer, TensorParallel()
         power = self._power_vectors(pair)
-        whole = TensorParallel()
-        sigma_a, power[0] = power_iteration(a.detach(), power[0], pair.tp if pair.a_split else whole)
-        sigma_b, power[1] = power_iteration(b.detach().T, power[1], pair.tp if pair.b_split else whole)
+        sigma_a, power[0] = power_iteration(layer.A.detach(), power[0], pair.tp if pair.a_split else whole)
+        sigma_b, power[1] = power_iteration(layer.B.detach().T, power[1], pair.tp if pair.b_split else whole)
         self.spectral_norms[pair.name] = sigma_a + sigma_b
-        rho = lr / (sigma_a + sigma_b + 1.0)  # a device scalar: no host synchronisation in the step
-        ortho_a = newton_schulz(self._whole(a), pair.tp if pair.a_split else whole, self.ns_steps)
-        ortho_b = newton_schulz(self._whole(b).T, pair.tp if pair.b_split else whole, self.ns_steps).T
-        for param, ortho in ((a, ortho_a), (b, ortho_b)):
-            update = ortho.reshape(-1).mul_(rho)  # ortho is a fresh tensor: scale it in place
+        rho = lr / (sigma_a + sigma_b + 1.0) if self.renormalise else lr  # a device scalar: no host synchronisation
+        for param, rows, cols, split in ((layer.A, layer.out_features, layer.rank, pair.a_split),
+                                         (layer.B, layer.rank, layer.in_features, pair.b_split)):
+            if self.orthogonalise:  # NS of the tall orientation; the update in the parameter's whole flat layout
+                wide = rows < cols
+                direction = self._whole(param)
+                ortho = newton_schulz(direction.T if wide else direction, pair.tp if split else whole, self.ns_steps)
+                scale = math.sqrt(max(1.0, rows / cols)) if self.shape_scale else 1.0
+                update = (ortho.T if wide else ortho).reshape(-1).mul_(rho * scale)  # a fresh tensor: in place
             for f in self.fragments(param):
                 piece = f.owner.view(-1)[f.offset:f.offset + f.numel]
                 if decay:
                     piece.mul_(1 - lr * decay)
-                piece.sub_(update[f.start:f.start + f.numel].to(piece.dtype))
+                if self.orthogonalise:
+                    step = update[f.start:f.start + f.numel]
+                else:
+                    step = self._directions[id(f.owner)].reshape(-1)[f.offset:f.offset + f.numel] * rho
+                piece.sub_(step.to(piece.dtype))
 
     def _whole(self, param: nn.Parameter) -> torch.Tensor:
         """The momentum direction of the whole (tensor-parallel shard of the) factor ``param``."""
@@ -160,9 +195,10 @@ class Spectron(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             spectron = group["spectron"]
+            adam = not spectron or not self.orthogonalise
             state["step"] = 0
-            state["exp_avg"] = None if spectron else torch.zeros_like(p)
-            state["exp_avg_sq"] = None if spectron else torch.zeros_like(p)
-            state["momentum"] = torch.zeros_like(p) if spectron else None
+            state["exp_avg"] = torch.zeros_like(p) if adam else None
+            state["exp_avg_sq"] = torch.zeros_like(p) if adam else None
+            state["momentum"] = None if adam else torch.zeros_like(p)
             state["power"] = {} if spectron and p is group["params"][0] else None
         return state

@@ -23,10 +23,10 @@ def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], d
     counts: dict[str, int] = {}
 
     class Recorder(DenseLayers):
-        def projection(self, in_features, out_features, role, init_std):
+        def projection(self, in_features, out_features, role, init):
             shapes[role] = (in_features, out_features)
             counts[role] = counts.get(role, 0) + 1
-            return super().projection(in_features, out_features, role, init_std)
+            return super().projection(in_features, out_features, role, init)
 
     with torch.device("meta"):
         Llama(model, vocab_size=1, layers=Recorder())

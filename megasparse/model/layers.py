@@ -27,7 +27,7 @@ from torch import nn
 
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                        VocabParallelHead, normal)
+                                        VocabParallelHead, WeightInit)
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 
@@ -43,13 +43,13 @@ class OutputHead(Protocol):
 
 
 class LayerFactory(Protocol):
-    def embedding(self, vocab_size: int, dim: int, init_std: float) -> nn.Module:
-        """ids -> vectors, weight N(0, init_std^2)."""
+    def embedding(self, vocab_size: int, dim: int, init: WeightInit) -> nn.Module:
+        """ids -> vectors, the table drawn by ``init.embedding``."""
 
-    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
-        """A bias-free map R^in -> R^out, weights N(0, init_std^2) (or the factory's equivalent)."""
+    def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
+        """A bias-free map R^in -> R^out whose weight starts as ``init.linear`` draws it (or the factory's equivalent)."""
 
-    def head(self, dim: int, vocab_size: int, init_std: float) -> OutputHead:
+    def head(self, dim: int, vocab_size: int, init: WeightInit) -> OutputHead:
         """vectors -> logits, with the mean cross-entropy of (possibly split) logits."""
 
 
@@ -62,14 +62,14 @@ class LinearHead(nn.Linear):
 
 
 class DenseLayers:
-    def embedding(self, vocab_size: int, dim: int, init_std: float) -> nn.Module:
-        return nn.Embedding(vocab_size, dim, _weight=normal(vocab_size, dim, std=init_std))
+    def embedding(self, vocab_size: int, dim: int, init: WeightInit) -> nn.Module:
+        return nn.Embedding(vocab_size, dim, _weight=init.embedding(vocab_size, dim))
 
-    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
-        return _initialised(_uninitialised(nn.Linear, in_features, out_features), init_std)
+    def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
+        return _initialised(_uninitialised(nn.Linear, in_features, out_features), init)
 
-    def head(self, dim: int, vocab_size: int, init_std: float) -> OutputHead:
-        return _initialised(_uninitialised(LinearHead, dim, vocab_size), init_std)
+    def head(self, dim: int, vocab_size: int, init: WeightInit) -> OutputHead:
+        return _initialised(_uninitialised(LinearHead, dim, vocab_size), init)
 
 
 def _uninitialised(cls: type[nn.Linear], in_features: int, out_features: int) -> nn.Linear:
@@ -77,8 +77,9 @@ def _uninitialised(cls: type[nn.Linear], in_features: int, out_features: int) ->
     return torch.nn.utils.skip_init(cls, in_features, out_features, bias=False, device=torch.get_default_device())
 
 
-def _initialised(layer: nn.Linear, init_std: float) -> nn.Linear:
-    nn.init.normal_(layer.weight, mean=0.0, std=init_std)
+def _initialised(layer: nn.Linear, init: WeightInit) -> nn.Linear:
+    with torch.no_grad():
+        layer.weight.copy_(init.linear(layer.out_features, layer.in_features))
     return layer
 
 
@@ -88,26 +89,26 @@ class SparseLayers(DenseLayers):
     def __init__(self, densities: dict[str, float]) -> None:
         self.densities = densities
 
-    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
+    def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.densities:
-            return super().projection(in_features, out_features, role, init_std)
-        return SparseLinear(in_features, out_features, self.densities[role], init_std)
+            return super().projection(in_features, out_features, role, init)
+        return SparseLinear(in_features, out_features, self.densities[role], init)
 
 
 class TensorParallelLayers:
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
 
-    def embedding(self, vocab_size: int, dim: int, init_std: float) -> nn.Module:
-        return VocabParallelEmbedding(vocab_size, dim, self.tp, init_std)
+    def embedding(self, vocab_size: int, dim: int, init: WeightInit) -> nn.Module:
+        return VocabParallelEmbedding(vocab_size, dim, self.tp, init)
 
-    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
+    def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role in COLUMN_ROLES:
-            return ColumnParallelLinear(in_features, out_features, self.tp, init_std)
-        return RowParallelLinear(in_features, out_features, self.tp, init_std)
+            return ColumnParallelLinear(in_features, out_features, self.tp, init)
+        return RowParallelLinear(in_features, out_features, self.tp, init)
 
-    def head(self, dim: int, vocab_size: int, init_std: float) -> OutputHead:
-        return VocabParallelHead(dim, vocab_size, self.tp, init_std)
+    def head(self, dim: int, vocab_size: int, init: WeightInit) -> OutputHead:
+        return VocabParallelHead(dim, vocab_size, self.tp, init)
 
 
 class LowRankLayers:
@@ -118,8 +119,8 @@ class LowRankLayers:
         self.base, self.tp, self.ranks = base, tp, ranks
         self.embedding, self.head = base.embedding, base.head
 
-    def projection(self, in_features: int, out_features: int, role: Role, init_std: float) -> nn.Module:
+    def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.ranks:
-            return self.base.projection(in_features, out_features, role, init_std)
+            return self.base.projection(in_features, out_features, role, init)
         parallel = None if self.tp.size == 1 else "column" if role in COLUMN_ROLES else "row"
-        return LowRankLinear(in_features, out_features, self.ranks[role], init_std, self.tp, parallel)
+        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, parallel)

@@ -21,6 +21,7 @@ from torch import nn
 
 from megasparse.config import ModelConfig
 from megasparse.model.layers import DenseLayers, LayerFactory
+from megasparse.parallel.layers import WeightInit
 
 
 class RMSNorm(nn.Module):
@@ -61,14 +62,14 @@ class Attention(nn.Module):
     a shard of the heads needs no change here.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: LayerFactory, out_std: float) -> None:
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, init: WeightInit, out_init: WeightInit) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         kv_width = cfg.kv_heads * self.head_dim
-        self.q_proj = layers.projection(cfg.dim, cfg.dim, "q_proj", cfg.init_std)
-        self.k_proj = layers.projection(cfg.dim, kv_width, "k_proj", cfg.init_std)
-        self.v_proj = layers.projection(cfg.dim, kv_width, "v_proj", cfg.init_std)
-        self.o_proj = layers.projection(cfg.dim, cfg.dim, "o_proj", out_std)
+        self.q_proj = layers.projection(cfg.dim, cfg.dim, "q_proj", init)
+        self.k_proj = layers.projection(cfg.dim, kv_width, "k_proj", init)
+        self.v_proj = layers.projection(cfg.dim, kv_width, "v_proj", init)
+        self.o_proj = layers.projection(cfg.dim, cfg.dim, "o_proj", out_init)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -85,25 +86,35 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """W_down (SiLU(W_gate x) * W_up x)  (Shazeer 2020, eq. 5 / FFN_SwiGLU)."""
 
-    def __init__(self, cfg: ModelConfig, layers: LayerFactory, out_std: float) -> None:
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, init: WeightInit, out_init: WeightInit) -> None:
         super().__init__()
-        self.gate_proj = layers.projection(cfg.dim, cfg.ffn_dim, "gate_proj", cfg.init_std)
-        self.up_proj = layers.projection(cfg.dim, cfg.ffn_dim, "up_proj", cfg.init_std)
-        self.down_proj = layers.projection(cfg.ffn_dim, cfg.dim, "down_proj", out_std)
+        self.gate_proj = layers.projection(cfg.dim, cfg.ffn_dim, "gate_proj", init)
+        self.up_proj = layers.projection(cfg.dim, cfg.ffn_dim, "up_proj", init)
+        self.down_proj = layers.projection(cfg.ffn_dim, cfg.dim, "down_proj", out_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def weight_inits(cfg: ModelConfig) -> tuple[WeightInit, WeightInit]:
+    """How the weights start (``model.init``): for every weight, and for the outputs of the residual
+    branches (o_proj, down_proj). ``scaled_normal``: N(0, s^2) and N(0, s^2 / 2L), s = ``init_std``
+    (GPT-2, Radford et al. 2019, sec. 2.3; Megatron); ``normal``: N(0, s^2) for both; ``torch``:
+    PyTorch's module defaults for both (see :class:`WeightInit`)."""
+    if cfg.init == "torch":
+        return WeightInit(None), WeightInit(None)
+    depth = math.sqrt(2 * cfg.n_layers) if cfg.init == "scaled_normal" else 1.0
+    return WeightInit(cfg.init_std), WeightInit(cfg.init_std / depth)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory) -> None:
         super().__init__()
-        # Residual-branch outputs start smaller: std / sqrt(2 L) (GPT-2, Radford et al. 2019, sec. 2.3).
-        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        init, out_init = weight_inits(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layers, out_std)
+        self.self_attn = Attention(cfg, layers, init, out_init)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, layers, out_std)
+        self.mlp = SwiGLU(cfg, layers, init, out_init)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -116,10 +127,11 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         layers = layers or DenseLayers()
-        self.embed_tokens = layers.embedding(vocab_size, cfg.dim, cfg.init_std)
+        init, _ = weight_inits(cfg)
+        self.embed_tokens = layers.embedding(vocab_size, cfg.dim, init)
         self.layers = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = layers.head(cfg.dim, vocab_size, cfg.init_std)
+        self.lm_head = layers.head(cfg.dim, vocab_size, init)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

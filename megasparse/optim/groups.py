@@ -15,14 +15,19 @@ from megasparse.config import Config
 def parameter_groups(model: nn.Module, cfg: Config) -> list[dict]:
     """Weight decay on matrices (projections, embeddings, head), none on vectors (norm gains).
 
-    The active weights of each sparse projection form groups by density d, flagged ``sparse``;
-    with SMET their learning rate is lr * d^(-p) (p = ``smet.density_lr_power``, 0 in naive mode).
-    With Spectron the low-rank factors form one group, flagged ``spectron``, at ``spectron.lr``.
-    The order of groups and of parameters in them is fixed: a ZeRO-0 checkpoint names optimizer
-    state by position in it.
+    The active weights of each sparse projection form groups by density d, flagged ``sparse``.
+    With SMET the rate scales with density, lr * d^(-p) (p = ``smet.density_lr_power``; 0 in naive
+    mode): for every group at the model's density d = ``sparse.density`` (``smet.density_lr_groups:
+    all``, one hand-set rate for the whole model as in the paper's runs), or for each sparse group
+    at its own layer density (``sparse``). With Spectron the low-rank factors form one group,
+    flagged ``spectron``, at ``spectron.lr``. The order of groups and of parameters in them is
+    fixed: a ZeRO-0 checkpoint names optimizer state by position in it.
     """
     wd, lr = cfg.optimizer.weight_decay, cfg.optimizer.lr
-    power = cfg.smet.density_lr_power if cfg.smet.mode == "smet" else 0.0
+    smet = cfg.optimizer.name == "smet" and cfg.smet.mode == "smet"
+    power = cfg.smet.density_lr_power if smet else 0.0
+    every = cfg.smet.density_lr_groups == "all"
+    base = lr * cfg.sparse.density**-power if every else lr
     params = [p for p in model.parameters() if p.requires_grad]
     sparse: dict[float, list[nn.Parameter]] = {}
     for p in params:
@@ -31,9 +36,9 @@ def parameter_groups(model: nn.Module, cfg: Config) -> list[dict]:
     factors = [p for p in params if getattr(p, "lowrank_factor", False)] if cfg.optimizer.name == "spectron" else []
     special = {id(p) for group in sparse.values() for p in group} | {id(p) for p in factors}
     rest = [p for p in params if id(p) not in special]
-    groups = [{"params": group, "sparse": True, "density": d, "lr": lr * d**-power, "weight_decay": wd}
-              for d, group in sorted(sparse.items())]
+    groups = [{"params": group, "sparse": True, "density": d, "lr": base if every else lr * d**-power,
+               "weight_decay": wd} for d, group in sorted(sparse.items())]
     groups += [{"params": factors, "spectron": True, "lr": cfg.spectron.lr, "weight_decay": wd}]
-    groups += [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": wd},
-               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}]
+    groups += [{"params": [p for p in rest if p.ndim >= 2], "lr": base, "weight_decay": wd},
+               {"params": [p for p in rest if p.ndim < 2], "lr": base, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

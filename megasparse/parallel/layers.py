@@ -18,6 +18,9 @@ DeepSpeed counts them once per tensor-parallel rank in gradient norms.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
@@ -35,16 +38,34 @@ def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None) -
     return param
 
 
-def normal(*shape: int, std: float) -> torch.Tensor:
-    return nn.init.normal_(torch.empty(*shape), mean=0.0, std=std)
+@dataclass(frozen=True)
+class WeightInit:
+    """How a weight starts: N(0, std^2), or, with ``std=None``, PyTorch's default for its module: a
+    linear layer's weight U(-1/sqrt(in), 1/sqrt(in)) (``kaiming_uniform_`` with a = sqrt(5)), an
+    embedding N(0, 1). Each draw takes the whole tensor from the global RNG."""
+
+    std: float | None
+
+    def values(self, count: int, in_features: int) -> torch.Tensor:
+        """``count`` weights of a linear layer with ``in_features`` inputs."""
+        if self.std is None:
+            bound = 1.0 / math.sqrt(in_features)
+            return torch.empty(count).uniform_(-bound, bound)
+        return torch.empty(count).normal_(0.0, self.std)
+
+    def linear(self, out_features: int, in_features: int) -> torch.Tensor:
+        return self.values(out_features * in_features, in_features).view(out_features, in_features)
+
+    def embedding(self, vocab_size: int, dim: int) -> torch.Tensor:
+        return torch.empty(vocab_size, dim).normal_(0.0, 1.0 if self.std is None else self.std)
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init_std: float,
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init: WeightInit,
                  gather_output: bool = False) -> None:
         super().__init__()
         self.tp, self.gather_output = tp, gather_output
-        self.weight = sharded_parameter(normal(out_features, in_features, std=init_std), tp, dim=0)
+        self.weight = sharded_parameter(init.linear(out_features, in_features), tp, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_region(x, self.tp), self.weight)
@@ -52,11 +73,11 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init_std: float,
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init: WeightInit,
                  input_is_parallel: bool = True) -> None:
         super().__init__()
         self.tp, self.input_is_parallel = tp, input_is_parallel
-        self.weight = sharded_parameter(normal(out_features, in_features, std=init_std), tp, dim=1)
+        self.weight = sharded_parameter(init.linear(out_features, in_features), tp, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x if self.input_is_parallel else scatter_to_region(x, self.tp)
@@ -64,10 +85,10 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, init_std: float) -> None:
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, init: WeightInit) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = sharded_parameter(normal(vocab_size, dim, std=init_std), tp, dim=0)
+        self.weight = sharded_parameter(init.embedding(vocab_size, dim), tp, dim=0)
         self.start = tp.rank * self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

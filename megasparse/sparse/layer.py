@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megasparse.parallel.layers import WeightInit
+
 
 class _SparseLinearFunction(torch.autograd.Function):
     """y = x W^T with W scattered from the compact values; W is rebuilt in backward, not saved."""
@@ -40,14 +42,14 @@ class _SparseLinearFunction(torch.autograd.Function):
 
 
 class SparseLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, density: float, init_std: float) -> None:
+    def __init__(self, in_features: int, out_features: int, density: float, init: WeightInit) -> None:
         super().__init__()
         self.in_features, self.out_features, self.density = in_features, out_features, density
         numel = in_features * out_features
         nnz = max(1, round(density * numel))
         positions = torch.randperm(numel)[:nnz].sort().values
         self.register_buffer("index", positions.to(torch.int32))
-        self.values = nn.Parameter(torch.randn(nnz) * init_std)
+        self.values = nn.Parameter(init.values(nnz, in_features))
         self.values.sparse_density = density  # its optimizer group (megasparse.optim.groups)
         self.dense_grad: torch.Tensor | None = None
 

@@ -1,18 +1,29 @@
 """SMET's optimizer: AdamW over the compact active weights, with a step count per slot.
 
 For active slot i with gradient g_i (Kingma & Ba 2015, Algorithm 1; Loshchilov & Hutter
-2019, Algorithm 2, decoupled decay):
+2019, Algorithm 2, decoupled decay), t_i its own step count (this step included) and W the
+slot warm-up (``smet.slot_warmup_steps``):
 
-    m_i <- b1 m_i + (1 - b1) g_i            v_i <- b2 v_i + (1 - b2) g_i^2
-    t_i  = steps since slot i was (re)grown  (the global step for slots active from the start)
-    lr_i = lr * min(1, t_i / W)              (regrown slots only; SMET's slot warm-up)
+    m_i <- f_i (b1 m_i + (1 - b1) g_i)      v_i <- b2 v_i + (1 - b2) g_i^2
     w_i <- w_i (1 - lr_i wd) - lr_i * [m_i / (1 - b1^t_i)] / (sqrt(v_i / (1 - b2^t_i)) + eps)
 
-and the sparse groups' ``lr`` is lr_0 * d^(-p) (set by :func:`megasparse.optim.groups.parameter_groups`). A
-regrown slot restarts with zero moments and t_i = 1, so its first step is lr_i * g/|g| =
-lr / W rather than the (1 - b1) / sqrt(1 - b2) ~ 3.16 lr (b2 = 0.999) that one shared step
-count gives it. ``per_slot_steps=False`` is the naive mode: one global step, no warm-up, no
-density scaling, moments still reset on regrowth.
+with one of two warm-ups (``smet.warmup_form``):
+
+- ``moment`` (the authors' code): f_i = min(1, t_i / W) damps the *stored* first moment at
+  every step, so it compounds, and lr_i = lr. A regrown slot's count restarts at 1 and its first
+  update is its step 2, as in the reference; slots active from the start and the dense
+  parameters count global steps, so every weight is damped during the first W steps. The
+  first update of a regrown slot is about 0.015 lr (b2 = 0.999) and its first W updates total
+  about 16 lr.
+- ``lr``: f_i = 1 and lr_i = lr min(1, t_i / W) for regrown slots (t_i = 1 at their first
+  update), lr for the others: a linear ramp, first update lr / W, about 50 lr over the first
+  W = 100 updates.
+
+Without a warm-up a regrown slot's first update is lr g/|g| (t_i = 1), rather than the
+(1 - b1) / sqrt(1 - b2) ~ 3.16 lr (b2 = 0.999) that one shared step count gives it (and that
+peaks near 6.6 lr at age ~12 for a steady gradient). The groups' ``lr`` carries the density
+scaling lr_0 d^(-p) (:func:`megasparse.optim.groups.parameter_groups`). ``per_slot_steps=False``
+is the naive mode: one global step, no warm-up, moments still reset on regrowth.
 
 Per-slot steps cost one byte per slot: slots regrown at the same update form a cohort that
 shares a birth step, so each slot stores a uint8 cohort id and the optimizer a table of 256
@@ -33,6 +44,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 
@@ -45,11 +57,13 @@ _FP32_VANISH = 2.0**-24
 
 class SMETAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, slot_warmup_steps: int, per_slot_steps: bool = True) -> None:
+                 weight_decay: float, slot_warmup_steps: int, per_slot_steps: bool = True,
+                 warmup_form: Literal["moment", "lr"] = "moment") -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, sparse=False)
         super().__init__(params, defaults)
         self.slot_warmup_steps = slot_warmup_steps
         self.per_slot_steps = per_slot_steps
+        self.warmup_form = warmup_form
 
     # ------------------------------------------------------------------ the step
 
@@ -67,30 +81,40 @@ class SMETAdam(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         (beta1, beta2), eps, lr, decay = group["betas"], group["eps"], group["lr"], group["weight_decay"]
         if state["cohort"] is None:  # dense parameters, or the naive mode: one step count
-            adamw_update(p, grad, state, lr, group["betas"], eps, decay)
+            damped = self.per_slot_steps and self.warmup_form == "moment" and self.slot_warmup_steps
+            scale = min(1.0, state["step"] / self.slot_warmup_steps) if damped else 1.0
+            adamw_update(p, grad, state, lr, group["betas"], eps, decay, first_moment_scale=scale)
             return
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        lr_c, rate_c, inv_sqrt_bc2_c = self._cohort_tables(state, lr, beta1, beta2)
+        lr_c, rate_c, inv_sqrt_bc2_c, damp_c = self._cohort_tables(state, lr, beta1, beta2)
         cohort = state["cohort"].long()
+        if self.warmup_form == "moment":
+            m.mul_(damp_c[cohort])
         if decay:
             p.mul_(1 - lr_c[cohort] * decay)
         denom = (v.sqrt() * inv_sqrt_bc2_c[cohort]).add_(eps)
         p.addcdiv_(m * rate_c[cohort], denom, value=-1.0)
 
     def _cohort_tables(self, state: dict, lr: float, beta1: float,
-                       beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per cohort c of age t_c: lr_c = lr * min(1, t_c / W), lr_c / (1 - b1^t_c) and 1 / sqrt(1 - b2^t_c)."""
+                       beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per cohort c with step count t_c: lr_c, lr_c / (1 - b1^t_c), 1 / sqrt(1 - b2^t_c) and f_c (see above)."""
         ages = (state["step"] - torch.tensor(state["birth"], dtype=torch.float64)).clamp(min=1)
+        moment = self.warmup_form == "moment"
+        if moment:
+            ages[1:] += 1  # a regrown slot's count restarts at 1 when it is regrown (cohort 0 counts global steps)
         warm = (ages / self.slot_warmup_steps).clamp(max=1) if self.slot_warmup_steps else torch.ones_like(ages)
-        warm[0] = 1.0  # cohort 0 holds the initial weights, which were never regrown: no slot warm-up
-        lr_c = lr * warm
+        if moment:
+            lr_c, damp_c = torch.full_like(ages, lr), warm
+        else:
+            warm[0] = 1.0  # cohort 0 holds the initial weights, which were never regrown: no slot warm-up
+            lr_c, damp_c = lr * warm, torch.ones_like(ages)
         rate_c = lr_c / (1 - beta1**ages)
         inv_sqrt_bc2_c = (1 - beta2**ages).rsqrt()
-        lr_c[MATURE], rate_c[MATURE], inv_sqrt_bc2_c[MATURE] = lr, lr, 1.0
+        lr_c[MATURE], rate_c[MATURE], inv_sqrt_bc2_c[MATURE], damp_c[MATURE] = lr, lr, 1.0, 1.0
         device = state["exp_avg"].device
-        return lr_c.float().to(device), rate_c.float().to(device), inv_sqrt_bc2_c.float().to(device)
+        return tuple(table.float().to(device) for table in (lr_c, rate_c, inv_sqrt_bc2_c, damp_c))
 
     def _state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]

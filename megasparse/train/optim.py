@@ -18,10 +18,12 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     groups = parameter_groups(model, cfg)
     if o.name == "smet":
         return SMETAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                        slot_warmup_steps=cfg.smet.slot_warmup_steps, per_slot_steps=cfg.smet.mode == "smet")
+                        slot_warmup_steps=cfg.smet.slot_warmup_steps, per_slot_steps=cfg.smet.mode == "smet",
+                        warmup_form=cfg.smet.warmup_form)
     if o.name == "spectron":
         s = cfg.spectron
         return Spectron(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, momentum=s.momentum,
-                        nesterov=s.nesterov, ns_steps=s.ns_steps)
+                        nesterov=s.nesterov, ns_steps=s.ns_steps, shape_scale=s.shape_scale,
+                        orthogonalise=s.orthogonalise, renormalise=s.renormalise)
     return torch.optim.AdamW([{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in groups],
                              lr=o.lr, betas=o.betas, eps=o.eps)
