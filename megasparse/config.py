@@ -220,7 +220,9 @@ class LowRankConfig:
 class SpectronConfig:
     """The Spectron optimizer for the factors (``optimizer.name: spectron``); the rest gets AdamW."""
 
-    lr: float = number(0.02, gt=0)  # eta: bound on the spectral norm of each step's change of W (schedule applies)
+    # eta: the scale of each step's change of W in spectral norm, ||dW||_2 <~ s eta with s the shape factor below
+    # (s = 1 without it); the schedule applies
+    lr: float = number(0.02, gt=0)
     momentum: float = number(0.95, ge=0, lt=1)
     nesterov: bool = True
     ns_steps: int = number(5, gt=0)  # Newton-Schulz iterations
@@ -469,7 +471,10 @@ def _read_yaml(source: str, including: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The mapping of config ``source`` (a file, or a shipped config's name), with its ``base:`` (another
     config, by name or by a path relative to this file) read first and merged under it section by section,
     key by key; ``including``: the files whose ``base:`` led here."""
-    path = _config_path(source, including[-1].parent if including else None)
+    try:
+        path = _config_path(source, including[-1].parent if including else None)
+    except ConfigError as exc:
+        raise ConfigError(f"{including[-1]}: base: {exc}" if including else str(exc)) from None
     if path.resolve() in including:
         chain = " -> ".join(str(p) for p in (*including, path.resolve()))
         raise ConfigError(f"{including[-1]}: base: configs include each other ({chain})")
@@ -494,11 +499,11 @@ def _read_yaml(source: str, including: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def _config_path(source: str, relative_to: Path | None) -> Path:
-    """The file of config ``source``: a path (from the including file's directory, if any, else from here),
-    or the name of a shipped config."""
-    for path in ([relative_to / source] if relative_to else []) + [Path(source)]:
-        if path.exists():
-            return path
+    """The file of config ``source``: a path (from the including file's directory when it is a base, else
+    from the working directory), or the name of a shipped config."""
+    path = relative_to / source if relative_to else Path(source)
+    if path.exists():
+        return path
     shipped = shipped_configs()
     if source not in shipped:
         known = ", ".join(sorted(shipped))

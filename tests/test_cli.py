@@ -90,6 +90,14 @@ def test_sparse_checkpoint_of_another_density(tmp_path, dataset, runs):
     one_error_line(result, "was trained with sparse.density=0.3; this config has 0.5")
 
 
+def test_spectron_checkpoint_of_the_other_ablation_arm(tmp_path, dataset, runs):
+    """Momenta or Adam moments for the factors: a checkpoint keeps the kind it was written with."""
+    cfg = tiny_config(dataset, tmp_path / "out", "spectron", spectron={"orthogonalise": False})
+    step4 = runs(0, 1, 1, method="spectron") / "checkpoints" / "step_00000004"
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4))
+    one_error_line(result, "was trained with spectron.orthogonalise=True; this config has False")
+
+
 def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path, dataset, runs):
     out = tmp_path / "out"
     shutil.copytree(runs(0, 1, 1), out)

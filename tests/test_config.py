@@ -169,7 +169,7 @@ def test_a_config_builds_on_its_base(tmp_path):
 @pytest.mark.parametrize("files, message", [
     ({"a.yaml": "base: a.yaml\n"}, r"configs include each other \(.*a.yaml -> .*a.yaml\)"),
     ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"configs include each other"),
-    ({"a.yaml": "base: nowhere\n"}, r"config 'nowhere' is neither a file nor a shipped config"),
+    ({"a.yaml": "base: nowhere\n"}, r"a.yaml: base: config 'nowhere' is neither a file nor a shipped config"),
     ({"a.yaml": "base: [quickstart]\n"}, r"a.yaml: base: expected the name or path of a config"),
 ])
 def test_bad_bases(tmp_path, files, message):

@@ -46,6 +46,7 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
                         f"{cfg.training.precision}")
     keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
                                               if cfg.model.layer == "sparse" else [])
+    keys += ["spectron.orthogonalise"] if cfg.optimizer.name == "spectron" else []  # momenta or Adam moments
     for key in keys:
         section, name = key.split(".")
         theirs, ours = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
