@@ -32,8 +32,9 @@ setup(
     extras_require={
         "mpi": ["mpi4py"],
         "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf"],  # transformers, protobuf: HF export/import tests
+        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb"],  # transformers, protobuf: HF export/import tests; wandb: its logging test
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
 )

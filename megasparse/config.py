@@ -255,6 +255,12 @@ class TrainingConfig:
     eval_samples: int = number(256, ge=0)  # validation sequences per evaluation; 0: no evaluation
     output_dir: str = path_key("runs/default", "output_directory")  # metrics.jsonl, TensorBoard logs, resolved config
     max_skipped_steps: int = number(5, ge=0)  # consecutive steps with non-finite gradients (skipped) that stop the run; 0: never
+    # recompute each block's activations in backward (megasparse.model.execution): none; full: keep only the block's
+    # input, rerun its forward; selective: keep the matrix products' and attention's outputs, recompute the rest
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False  # torch.compile each block (inductor); the first steps take the compilation time
+    # one device's peak TFLOPS for the MFU metric; 0: the dense bf16 peak of a known GPU (megasparse.train.throughput)
+    peak_tflops: float = number(0.0, ge=0)
 
 
 @section
@@ -272,6 +278,10 @@ class LoggingConfig:
     log_interval: int = number(10, gt=0)  # steps between metric lines
     progress_bar: bool = True
     tensorboard: bool = True  # used when the tensorboard package is installed
+    wandb: bool = False  # the same scalars to Weights & Biases (needs the wandb package: megasparse[wandb])
+    wandb_project: str = "megasparse"
+    wandb_entity: str = ""  # empty: the W&B account's default
+    wandb_name: str = ""  # empty: the name of training.output_dir
 
 
 @dataclass

@@ -17,7 +17,7 @@ from helpers import close_fork_server, fork_server, make_corpus, megasparse, tin
 
 # Tests that start no process group: they run first, while the fork server imports torch and DeepSpeed
 # and builds DeepSpeed's JIT op (about 30 s on a fresh checkout), which every training process needs.
-NO_PROCESS_GROUP = {"test_config", "test_data", "test_docs", "test_launch_env", "test_model", "test_progress",
+NO_PROCESS_GROUP = {"test_config", "test_data", "test_docs", "test_execution", "test_flops", "test_launch_env", "test_model", "test_progress",
                     "test_schedule", "test_smet", "test_spectron", "test_structure", "test_versions"}
 
 
@@ -52,17 +52,18 @@ def dataset(tmp_path_factory, corpus) -> Path:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, dataset):
     """Train the tiny config once per (ZeRO stage, processes, accumulation steps, precision, method,
-    tensor-parallel degree); cached for the session. Checkpoints at steps 4 and 8."""
+    tensor-parallel degree, further ``training`` keys); cached for the session. Checkpoints at steps 4 and 8."""
     cache: dict[tuple, Path] = {}
 
     def run(zero: int, nproc: int, accumulation: int, precision: str = "fp32", method: str = "dense",
-            tp: int = 1) -> Path:
-        key = (zero, nproc, accumulation, precision, method, tp)
+            tp: int = 1, **training) -> Path:
+        key = (zero, nproc, accumulation, precision, method, tp, tuple(sorted(training.items())))
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"run-{method}-z{zero}-p{nproc}-t{tp}-a{accumulation}-{precision}")
+            options = "".join(f"-{value}" for value in training.values())
+            out = tmp_path_factory.mktemp(f"run-{method}-z{zero}-p{nproc}-t{tp}-a{accumulation}-{precision}{options}")
             micro = 8 * tp // (nproc * accumulation)  # tiny_config's global batch is 8
             cfg = tiny_config(dataset, out, method, parallel={"zero_stage": zero, "tensor_parallel": tp},
-                              training={"micro_batch_size": micro, "precision": precision})
+                              training={"micro_batch_size": micro, "precision": precision, **training})
             megasparse("train", str(write_config(out / "run.yaml", cfg)), nproc=nproc).check()
             cache[key] = out
         return cache[key]

@@ -1,19 +1,36 @@
-"""Run metrics: JSON lines, TensorBoard scalars (when installed) and progress (a bar on a terminal, plain
-lines in a log: :mod:`megasparse.progress`), on rank 0 only.
+"""Run metrics: JSON lines, TensorBoard scalars (when installed), Weights & Biases (``logging.wandb``) and
+progress (a bar on a terminal, plain lines in a log: :mod:`megasparse.progress`), on rank 0 only.
 
 ``<output_dir>/metrics.jsonl`` holds one object per line, ``{"event": "train" | "eval" | "topology", "step": s, ...}``.
 On resume, lines past the resumed step (written by the interrupted run after its last
 checkpoint) are dropped first, so the file always reads as one uninterrupted run.
+
+Weights & Biases gets the same scalars as TensorBoard (``event/key``, at the step), the resolved config, and a
+run id kept in ``<output_dir>/wandb-id``, so a resumed run continues the same W&B run (W&B itself drops the
+steps it already has). ``WANDB_MODE=offline`` and W&B's other variables apply as usual.
 """
 from __future__ import annotations
 
 import json
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megasparse.progress import Progress
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb-id"
+
+
+@dataclass(frozen=True)
+class WandbRun:
+    """Where and as what a run appears in Weights & Biases."""
+
+    project: str
+    entity: str  # empty: the account's default
+    name: str
+    config: dict[str, Any]
 
 
 def read_metrics(output_dir: Path, event: str = "train") -> list[dict[str, Any]]:
@@ -24,7 +41,7 @@ def read_metrics(output_dir: Path, event: str = "train") -> list[dict[str, Any]]
 
 class MetricsLogger:
     def __init__(self, output_dir: Path, enabled: bool, start_step: int, total_steps: int,
-                 progress_bar: bool, tensorboard: bool) -> None:
+                 progress_bar: bool, tensorboard: bool, wandb: WandbRun | None = None) -> None:
         self.enabled = enabled
         if not enabled:
             return
@@ -33,6 +50,7 @@ class MetricsLogger:
         self._truncate_after(start_step)
         self._file = self.path.open("a")
         self._board = _summary_writer(output_dir / "tensorboard") if tensorboard else None
+        self._wandb = _wandb_run(output_dir, wandb) if wandb else None
         self._bar = Progress("train", "step", total=total_steps, initial=start_step, enabled=progress_bar)
 
     def log(self, event: str, step: int, **values: float) -> None:
@@ -43,8 +61,12 @@ class MetricsLogger:
         if self._board is not None:
             for key, value in values.items():
                 self._board.add_scalar(f"{event}/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log({f"{event}/{key}": value for key, value in values.items()}, step=step)
         if event == "train":
+            mfu = {"mfu": f"{values['mfu']:.1%}"} if "mfu" in values else {}
             self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}",
+                                  tflops=f"{values['tflops_per_device']:.3g}", **mfu,
                                   mem_gb=f"{values['memory_gb']:.2f}")
         elif event == "eval":
             self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
@@ -59,6 +81,8 @@ class MetricsLogger:
             self._file.close()
             if self._board is not None:
                 self._board.close()
+            if self._wandb is not None:
+                self._wandb.finish()
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -73,3 +97,14 @@ def _summary_writer(directory: Path):
     except ImportError:  # tensorboard is optional
         return None
     return SummaryWriter(str(directory))
+
+
+def _wandb_run(output_dir: Path, run: WandbRun):
+    """A W&B run for ``output_dir``: the one its ``wandb-id`` names (resumed), or a new one."""
+    import wandb
+
+    id_file = output_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=run.project, entity=run.entity or None, name=run.name, id=run_id, resume="allow",
+                      config=run.config, dir=str(output_dir))

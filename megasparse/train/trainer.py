@@ -33,7 +33,9 @@ from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_loss
 from megasparse.lowrank.spectron import Spectron, factor_pairs
+from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
+from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
 from megasparse.optim.partitions import optimizer_fragments
 from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
@@ -45,10 +47,11 @@ from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.guard import NonFiniteGuard
-from megasparse.train.metrics import MetricsLogger
+from megasparse.train.metrics import MetricsLogger, WandbRun
 from megasparse.train.optim import build_optimizer
 from megasparse.train.preemption import StopRequests, clear_marker, write_marker
 from megasparse.train.schedule import LearningRateSchedule
+from megasparse.train.throughput import device_peak_tflops, throughput
 
 
 def train(cfg: Config, resume: str | None = None) -> "Trainer":
@@ -91,10 +94,25 @@ def preflight(cfg: Config, world_size: int, resume: str | None = None) -> None:
     resumes = resume is not None and (resume != "auto" or bool(complete_checkpoints(cfg.checkpoint_dir)))
     cfg.check_paths(key for key, _ in cfg.keys() if not (resumes and key == "checkpoint.init_from"))
     layer_factory(cfg)
+    if cfg.logging.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError as exc:
+            raise UserError(f"logging.wandb: cannot import wandb ({exc}); install it with pip install "
+                            "'megasparse[wandb]' or set logging.wandb=false") from None
     if (Path(cfg.data.path) / INDEX_FILE).exists():
         usable_windows(cfg, open_prepared(Path(cfg.data.path)))
     else:
         describe_sources(cfg.data)  # the files to prepare it from exist
+
+
+def wandb_run(cfg: Config) -> WandbRun | None:
+    """The run as Weights & Biases shows it (``logging.wandb``): named after its output directory by default."""
+    log = cfg.logging
+    if not log.wandb:
+        return None
+    return WandbRun(log.wandb_project, log.wandb_entity, log.wandb_name or Path(cfg.training.output_dir).resolve().name,
+                    cfg.to_dict())
 
 
 def load_or_prepare(cfg: Config) -> PreparedData:
@@ -148,7 +166,12 @@ class Trainer:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
                                 self.data.tokenizer_sha256, tp)
             _log(f"initialised the model from {cfg.checkpoint.init_from}")
+        checkpoint_blocks(model, t.activation_checkpointing)
+        if t.compile:
+            compile_blocks(model)
         self.num_parameters = num_parameters(model)
+        self.flops_per_token = flops_per_token(cfg, self.data.vocab_size)
+        self.peak_tflops = device_peak_tflops(t.peak_tflops)
         self.ds_config = deepspeed_config(cfg, self.dp_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
         self.optimizer = build_optimizer(cfg, model)
@@ -178,7 +201,7 @@ class Trainer:
         self.step = self._load(self.resume_from) if self.resume_from else 0
         self.saved_step = self.step if self.resume_from else None
         self.metrics = MetricsLogger(Path(t.output_dir), is_main_process(), self.step, t.steps,
-                                     cfg.logging.progress_bar, cfg.logging.tensorboard)
+                                     cfg.logging.progress_bar, cfg.logging.tensorboard, wandb_run(cfg))
 
     def _checked_resume(self, resume: str | None) -> Path | None:
         """The checkpoint to resume from, checked against this run; None to start fresh."""
@@ -257,6 +280,8 @@ class Trainer:
                     **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
                     "tokens": self.step * tokens_per_step,
                     "tokens_per_s": window_steps * tokens_per_step / elapsed,
+                    **throughput(window_steps * tokens_per_step / elapsed, dist.get_world_size(),
+                                 self.flops_per_token.training, self.peak_tflops),
                     "step_time_s": elapsed / window_steps,
                     "memory_gb": get_accelerator().max_memory_allocated() / 2**30,
                     "skipped_steps": self.skipped_steps,

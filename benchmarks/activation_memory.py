@@ -1,0 +1,118 @@
+"""Activation checkpointing: peak memory per rank and step time for none / selective / full.
+
+    python benchmarks/activation_memory.py --out benchmarks/results/activation_memory.json
+
+Each arm trains llama-130m (WikiText-2, 8k vocabulary) at sequence 1024 on one rank, fp32, ZeRO-0, dense AdamW,
+one sequence per micro-batch, for ``--steps`` steps in a process of its own; the arms alternate over
+``--repeats`` rounds (none, selective, full, none, ...) so that drift of the machine falls on all of them.
+
+Memory. On a GPU the accelerator's peak allocated bytes (reset before the measured steps). On a CPU
+torch allocates with malloc, so the worker runs with a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``):
+every block above it is mapped and returned on free, so the resident set follows the live tensors, and a
+thread samples it every millisecond. Reported: the resting memory after the first step (weights,
+gradients, Adam moments) and the peak above it during the measured steps (activations and the
+temporaries of backward), which is what checkpointing changes.
+
+Step time: the mean over the steps after the first, from the trainer's own metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
+                    wikitext_dataset, write_report)
+
+MODES = ("none", "selective", "full")
+PAGE = 4096
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="llama-130m")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+
+
+def _run(args: argparse.Namespace) -> None:
+    data, description = wikitext_dataset()
+    rounds = []
+    for _ in range(args.repeats):
+        rounds.append({mode: run_workers(__file__, 1, {"mode": mode, "preset": args.preset, "seq_len": args.seq_len,
+                                                       "steps": args.steps, "data": str(data)},
+                                         env={"MALLOC_MMAP_THRESHOLD_": "131072"}) for mode in MODES})
+    summary = {mode: {"resting_gb": min(r[mode]["resting_gb"] for r in rounds),
+                      "peak_above_resting_gb": min(r[mode]["peak_above_resting_gb"] for r in rounds),
+                      "step_time_s": [r[mode]["step_time_s"] for r in rounds],
+                      "step_time_ratio": [r[mode]["step_time_s"] / r["none"]["step_time_s"] for r in rounds]}
+               for mode in MODES}
+    rows = [[mode, f"{s['resting_gb']:.2f}", f"{s['peak_above_resting_gb']:.2f}",
+             f"{s['peak_above_resting_gb'] / summary['none']['peak_above_resting_gb']:.2f}",
+             ", ".join(f"{t:.2f}" for t in s["step_time_s"]), ", ".join(f"{t:.2f}" for t in s["step_time_ratio"])]
+            for mode, s in summary.items()]
+    print(markdown_table(["mode", "resting GB", "peak above resting GB", "ratio", "step s (per round)",
+                          "step time / none"], "lrrrrr", rows))
+    write_report(args.out, {"settings": {"preset": args.preset, "seq_len": args.seq_len, "micro_batch": 1,
+                                         "ranks": 1, "zero_stage": 0, "precision": "fp32", "steps": args.steps,
+                                         "data": description}, "summary": summary, "rounds": rounds})
+
+
+class ResidentPeak:
+    """The largest resident set seen by a thread sampling /proc/self/statm every millisecond."""
+
+    def __init__(self) -> None:
+        self.peak, self._running = 0, True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def now() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def stop(self) -> int:
+        self._running = False
+        self._thread.join()
+        return self.peak
+
+
+def _worker(a: dict, result: Path) -> None:
+    import json
+
+    from deepspeed.accelerator import get_accelerator
+
+    from megasparse.train.metrics import read_metrics
+
+    accelerator = get_accelerator()
+    on_cpu = accelerator.device_name() == "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = short_run_overrides(a["preset"], a["data"], a["seq_len"], 1, 1, 1, Path(tmp) / "warm")
+        trainer = start_trainer(overrides + [f"training.activation_checkpointing={a['mode']}", "training.grad_clip=0"])
+        trainer.run()  # the first step: Adam's moments exist from here on
+        trainer.cfg.training.steps = 1 + a["steps"]
+        trainer.metrics = type(trainer.metrics)(Path(tmp) / "measured", True, 1, 1 + a["steps"], False, False)
+        accelerator.synchronize()
+        resting = ResidentPeak.now() if on_cpu else accelerator.memory_allocated()
+        accelerator.reset_peak_memory_stats()
+        sampler = ResidentPeak() if on_cpu else None
+        trainer.run()
+        accelerator.synchronize()
+        peak = sampler.stop() if sampler else accelerator.max_memory_allocated()
+        times = [r["step_time_s"] for r in read_metrics(Path(tmp) / "measured")]
+    result.write_text(json.dumps({"mode": a["mode"], "resting_gb": resting / 2**30,
+                                  "peak_above_resting_gb": (peak - resting) / 2**30,
+                                  "step_time_s": sum(times) / len(times),
+                                  "memory": "resident set (sampled)" if on_cpu else "accelerator allocated"}))
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, _arguments, _run, _worker)

@@ -1,0 +1,139 @@
+"""How the blocks run (megasparse.model.execution): activation checkpointing gives the losses and gradients
+of the plain model (and collects a sparse layer's RigL dense gradient once), recomputing what its mode
+says; compiled blocks give eager's losses and do not recompile when a topology update moves the slots."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megasparse.config import config_from_dict
+from megasparse.model.execution import checkpoint_blocks, compile_blocks
+from megasparse.model.factory import layer_factory
+from megasparse.model.llama import Llama
+from megasparse.sparse.layer import SparseLinear
+
+LAYERS = {"dense": "adamw", "sparse": "smet", "lowrank": "spectron"}
+
+
+def build(layer: str) -> Llama:
+    cfg = config_from_dict({"model": {"preset": "llama-tiny", "layer": layer}, "optimizer": {"name": LAYERS[layer]}})
+    torch.manual_seed(0)
+    return Llama(cfg.model, 300, layer_factory(cfg))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, 300, (2, 24), generator=generator), torch.randint(0, 300, (2, 24), generator=generator)
+
+
+def collect_dense_gradients(model: Llama, on: bool) -> None:
+    """What RigL does at an update step: every sparse layer accumulates its dense dL/dW."""
+    for layer in model.modules():
+        if isinstance(layer, SparseLinear):
+            layer.dense_grad = torch.zeros(layer.out_features, layer.in_features) if on else None
+
+
+def step(model: Llama) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss, gradients (and dense gradients) of one forward and backward."""
+    model.zero_grad()
+    loss = model(*batch())
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads |= {f"{name}.dense_grad": m.dense_grad.clone() for name, m in model.named_modules()
+              if getattr(m, "dense_grad", None) is not None}
+    return loss.detach(), grads
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+class CountProducts(TorchDispatchMode):
+    """Counts the matrix products run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def products_in_backward(model: Llama) -> int:
+    loss = model(*batch())
+    with CountProducts() as count:
+        loss.backward()
+    return count.products
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_gives_the_same_losses_and_gradients(layer, mode):
+    plain = build(layer)
+    checkpointed = copy.deepcopy(plain)
+    checkpoint_blocks(checkpointed, mode)
+    collect_dense_gradients(plain, layer == "sparse")
+    collect_dense_gradients(checkpointed, layer == "sparse")
+    (loss, grads), (expected_loss, expected) = step(checkpointed), step(plain)
+    assert relative(loss, expected_loss) <= 1e-6
+    assert grads.keys() == expected.keys() and any(k.endswith("dense_grad") for k in grads) == (layer == "sparse")
+    for name in expected:  # the dense gradient accumulated once, though the forward ran twice
+        assert relative(grads[name], expected[name]) <= 1e-6, name
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_what_each_mode_recomputes(layer):
+    """full reruns each block's forward in backward, matrix products included; selective keeps the products'
+    outputs (the backward runs the products of the plain backward only) and recomputes the rest."""
+    models = {}
+    for mode in ("none", "full", "selective"):
+        models[mode] = build(layer)
+        checkpoint_blocks(models[mode], mode)
+    products = {mode: products_in_backward(model) for mode, model in models.items()}
+    blocks = len(models["none"].layers)
+    recomputed = (products["full"] - products["none"]) / blocks
+    # q k v o gate up (A and B of each when low-rank), not down_proj's last product: the recomputation stops once
+    # it has every tensor the backward saved, and that output is not one; a sparse layer's forward (an
+    # autograd.Function) saves its input only as it runs whole, so down_proj's product runs too
+    assert recomputed == {"dense": 6, "sparse": 7, "lowrank": 13}[layer]
+    assert products["selective"] == products["none"]
+
+    calls = {mode: 0 for mode in models}
+    for mode, model in models.items():
+        def count(*_, mode=mode):
+            calls[mode] += 1
+        model.layers[0].input_layernorm.register_forward_hook(count)
+        products_in_backward(model)
+    assert calls == {"none": 1, "full": 2, "selective": 2}
+
+
+def test_compiled_blocks_match_eager_and_a_topology_update_does_not_recompile():
+    """A sparse model with RigL's dense gradients, full checkpointing and compiled blocks."""
+    torch._dynamo.reset()
+    counters.clear()
+    eager = build("sparse")
+    compiled = copy.deepcopy(eager)
+    checkpoint_blocks(compiled, "full")
+    compile_blocks(compiled)
+    for collecting in (False, True, False):  # an ordinary step, an update step (RigL), an ordinary step
+        collect_dense_gradients(eager, collecting)
+        collect_dense_gradients(compiled, collecting)
+        (loss, grads), (expected_loss, expected) = step(compiled), step(eager)
+        assert relative(loss, expected_loss) <= 1e-5
+        for name in expected:
+            assert relative(grads[name], expected[name]) <= 1e-5, name
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the blocks were compiled
+    for model in (eager, compiled):  # a topology update: slots re-pointed in place, the shapes unchanged
+        for layer in model.modules():
+            if isinstance(layer, SparseLinear):
+                layer.index.copy_(torch.randperm(layer.out_features * layer.in_features,
+                                                 generator=torch.Generator().manual_seed(2))[:layer.nnz].int())
+    (loss, _), (expected_loss, _) = step(compiled), step(eager)
+    assert relative(loss, expected_loss) <= 1e-5
+    assert counters["stats"]["unique_graphs"] == graphs
