@@ -9,9 +9,12 @@ one sequence per micro-batch, for ``--steps`` steps in a process of its own; the
 Memory. On a GPU the accelerator's peak allocated bytes (reset before the measured steps). On a CPU
 torch allocates with malloc, so the worker runs with a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``):
 every block above it is mapped and returned on free, so the resident set follows the live tensors, and a
-thread samples it every millisecond. Reported: the resting memory after the first step (weights,
-gradients, Adam moments) and the peak above it during the measured steps (activations and the
-temporaries of backward), which is what checkpointing changes.
+thread samples it every millisecond. Reported: the resting memory after the first step (weights and
+Adam moments); above it, what is held when the forward pass ends (the activations saved for backward, and the
+logits), and the peak during the forward and backward passes up to the gradient reduction (the activations,
+the gradients as they are made, the temporaries of backward). The reduction (a flat copy of every gradient)
+and the optimizer step (AdamW's temporaries) come after and are left out of the peak: both are as large as
+the parameters, whatever the checkpointing, and would hide it.
 
 Step time: the mean over the steps after the first, from the trainer's own metrics.
 """
@@ -48,25 +51,27 @@ def _run(args: argparse.Namespace) -> None:
                                          env={"MALLOC_MMAP_THRESHOLD_": "131072"}) for mode in MODES})
     summary = {mode: {"resting_gb": min(r[mode]["resting_gb"] for r in rounds),
                       "peak_above_resting_gb": min(r[mode]["peak_above_resting_gb"] for r in rounds),
+                      "held_after_forward_gb": min(r[mode]["held_after_forward_gb"] for r in rounds),
+                      "gradients_gb": rounds[0][mode]["gradients_gb"],
                       "step_time_s": [r[mode]["step_time_s"] for r in rounds],
                       "step_time_ratio": [r[mode]["step_time_s"] / r["none"]["step_time_s"] for r in rounds]}
                for mode in MODES}
-    rows = [[mode, f"{s['resting_gb']:.2f}", f"{s['peak_above_resting_gb']:.2f}",
+    rows = [[mode, f"{s['resting_gb']:.2f}", f"{s['held_after_forward_gb']:.3f}", f"{s['peak_above_resting_gb']:.2f}",
              f"{s['peak_above_resting_gb'] / summary['none']['peak_above_resting_gb']:.2f}",
              ", ".join(f"{t:.2f}" for t in s["step_time_s"]), ", ".join(f"{t:.2f}" for t in s["step_time_ratio"])]
             for mode, s in summary.items()]
-    print(markdown_table(["mode", "resting GB", "peak above resting GB", "ratio", "step s (per round)",
-                          "step time / none"], "lrrrrr", rows))
+    print(markdown_table(["mode", "resting GB", "held after forward GB", "peak above resting GB", "ratio",
+                          "step s (per round)", "step time / none"], "lrrrrrr", rows))
     write_report(args.out, {"settings": {"preset": args.preset, "seq_len": args.seq_len, "micro_batch": 1,
                                          "ranks": 1, "zero_stage": 0, "precision": "fp32", "steps": args.steps,
                                          "data": description}, "summary": summary, "rounds": rounds})
 
 
 class ResidentPeak:
-    """The largest resident set seen by a thread sampling /proc/self/statm every millisecond."""
+    """The largest resident set seen by a thread sampling /proc/self/statm every millisecond while ``active``."""
 
     def __init__(self) -> None:
-        self.peak, self._running = 0, True
+        self.peak, self.active, self._running = 0, True, True
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
@@ -76,13 +81,51 @@ class ResidentPeak:
 
     def _sample(self) -> None:
         while self._running:
-            self.peak = max(self.peak, self.now())
+            if self.active:
+                self.peak = max(self.peak, self.now())
             time.sleep(0.001)
 
     def stop(self) -> int:
         self._running = False
         self._thread.join()
         return self.peak
+
+
+def forward_backward_peaks(engine, on_cpu: bool) -> tuple[list[int], list[int]]:
+    """Make the engine record the memory held when each forward pass ends (what the backward will use) and the
+    peak of each forward and backward pass, up to the gradient reduction
+    (which copies every gradient into a flat buffer, as large as the parameters, and would hide the
+    activations; so would the optimizer step's temporaries): sampling pauses from ``allreduce_gradients`` to the
+    end of ``step``."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator, peaks, held = get_accelerator(), [], []
+    sampler = ResidentPeak() if on_cpu else None
+    backward, reduce, step = engine.backward, engine.allreduce_gradients, engine.step
+
+    def measured_backward(*args, **kwargs):
+        accelerator.synchronize()
+        held.append(ResidentPeak.now() if on_cpu else accelerator.memory_allocated())
+        return backward(*args, **kwargs)
+
+    def paused_reduce(*args, **kwargs):
+        accelerator.synchronize()
+        peaks.append(sampler.peak if sampler else accelerator.max_memory_allocated())
+        if sampler:
+            sampler.active = False
+        return reduce(*args, **kwargs)
+
+    def resumed_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        accelerator.synchronize()
+        if sampler:
+            sampler.peak, sampler.active = 0, True
+        else:
+            accelerator.reset_peak_memory_stats()
+        return result
+
+    engine.backward, engine.allreduce_gradients, engine.step = measured_backward, paused_reduce, resumed_step
+    return peaks, held
 
 
 def _worker(a: dict, result: Path) -> None:
@@ -103,13 +146,14 @@ def _worker(a: dict, result: Path) -> None:
         accelerator.synchronize()
         resting = ResidentPeak.now() if on_cpu else accelerator.memory_allocated()
         accelerator.reset_peak_memory_stats()
-        sampler = ResidentPeak() if on_cpu else None
+        peaks, held = forward_backward_peaks(trainer.engine, on_cpu)
         trainer.run()
-        accelerator.synchronize()
-        peak = sampler.stop() if sampler else accelerator.max_memory_allocated()
+        peak, after_forward = max(peaks), max(held)
         times = [r["step_time_s"] for r in read_metrics(Path(tmp) / "measured")]
-    result.write_text(json.dumps({"mode": a["mode"], "resting_gb": resting / 2**30,
+        gradient_bytes = sum(p.numel() * 4 for p in trainer.engine.module.parameters())
+    result.write_text(json.dumps({"mode": a["mode"], "resting_gb": resting / 2**30, "gradients_gb": gradient_bytes / 2**30,
                                   "peak_above_resting_gb": (peak - resting) / 2**30,
+                                  "held_after_forward_gb": (after_forward - resting) / 2**30,
                                   "step_time_s": sum(times) / len(times),
                                   "memory": "resident set (sampled)" if on_cpu else "accelerator allocated"}))
 

@@ -58,4 +58,5 @@ def test_throughput_and_mfu():
     assert known_peak_tflops("NVIDIA H100 80GB HBM3") == known_peak_tflops("NVIDIA H200") == 989.0
     assert known_peak_tflops("NVIDIA H100 PCIe") == 756.0 and known_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert known_peak_tflops("NVIDIA L40S") == 362.0 and known_peak_tflops("NVIDIA L4") == 121.0
+    assert known_peak_tflops("NVIDIA H200 NVL") == 835.0 and known_peak_tflops("NVIDIA GB200") == 2500.0
     assert known_peak_tflops("Intel Xeon") is None

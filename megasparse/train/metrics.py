@@ -6,8 +6,10 @@ On resume, lines past the resumed step (written by the interrupted run after its
 checkpoint) are dropped first, so the file always reads as one uninterrupted run.
 
 Weights & Biases gets the same scalars as TensorBoard (``event/key``, at the step), the resolved config, and a
-run id kept in ``<output_dir>/wandb-id``, so a resumed run continues the same W&B run (W&B itself drops the
-steps it already has). ``WANDB_MODE=offline`` and W&B's other variables apply as usual.
+run id kept in ``<output_dir>/wandb-id``: a resumed run continues that W&B run, a fresh one starts a new one.
+W&B keeps the first value it got for a step, so the steps a resumed run trains again (after its checkpoint,
+which the interrupted run had logged) keep the interrupted run's values there, while metrics.jsonl holds the
+new ones. ``WANDB_MODE=offline`` and W&B's other variables apply as usual.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class MetricsLogger:
         self._truncate_after(start_step)
         self._file = self.path.open("a")
         self._board = _summary_writer(output_dir / "tensorboard") if tensorboard else None
-        self._wandb = _wandb_run(output_dir, wandb) if wandb else None
+        self._wandb = _wandb_run(output_dir, wandb, resumed=start_step > 0) if wandb else None
         self._bar = Progress("train", "step", total=total_steps, initial=start_step, enabled=progress_bar)
 
     def log(self, event: str, step: int, **values: float) -> None:
@@ -99,12 +101,12 @@ def _summary_writer(directory: Path):
     return SummaryWriter(str(directory))
 
 
-def _wandb_run(output_dir: Path, run: WandbRun):
-    """A W&B run for ``output_dir``: the one its ``wandb-id`` names (resumed), or a new one."""
+def _wandb_run(output_dir: Path, run: WandbRun, resumed: bool):
+    """A W&B run for ``output_dir``: when ``resumed``, the one its ``wandb-id`` names (if any), else a new one."""
     import wandb
 
     id_file = output_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id + "\n")
     return wandb.init(project=run.project, entity=run.entity or None, name=run.name, id=run_id, resume="allow",
                       config=run.config, dir=str(output_dir))

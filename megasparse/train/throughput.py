@@ -18,9 +18,9 @@ from deepspeed.accelerator import get_accelerator
 # Dense (no structured sparsity) bf16 peaks from the vendors' data sheets; the first name contained in the
 # device's name wins, so the more specific come first.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-    ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
-    ("MI300X", 1307.0), ("MI250X", 383.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200 NVL", 835.0), ("GH200", 989.0),
+    ("H200", 989.0), ("H800", 989.0), ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("MI300X", 1307.0), ("MI250X", 383.0),
 )
 
 

@@ -182,6 +182,10 @@ class Trainer:
             dist_init_required=False,
         )
         self.device = self.engine.device
+        if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
+            # One data-parallel rank has no gradients to reduce, but DeepSpeed's ZeRO-0 path would still copy
+            # every gradient into flat buckets, all-reduce them over that one rank and copy them back.
+            self.engine.enable_backward_allreduce = False
         self.engine.checkpoint_engine = RecordingCheckpointEngine(self.engine.checkpoint_engine)
         keep_recovery_script_errors(self.engine, self.engine.checkpoint_engine)
         self.skipped_steps = self.consecutive_skips = 0
