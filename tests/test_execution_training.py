@@ -31,10 +31,11 @@ def test_selective_checkpointing_keeps_rigl_masks(runs):
         assert_same_model(checkpoint(checkpointed, step), checkpoint(plain, step), rel=1e-6)
 
 
-def test_compiled_checkpointed_spectron_under_tensor_parallelism(runs):
-    """Low-rank blocks compiled with their recomputation, 2 tensor-parallel ranks, ZeRO-1, against eager."""
-    eager = runs(1, 2, 1, method="spectron", tp=2)
-    compiled = runs(1, 2, 1, method="spectron", tp=2, activation_checkpointing="selective", compile=True)
+def test_compiled_checkpointed_spectron_under_tensor_and_data_parallelism(runs):
+    """Low-rank blocks compiled with their recomputation, 2 tensor- x 2 data-parallel ranks, ZeRO-2 (whose
+    gradient hooks fire from the compiled backward), against eager in the same layout."""
+    eager = runs(2, 4, 1, method="spectron", tp=2)
+    compiled = runs(2, 4, 1, method="spectron", tp=2, activation_checkpointing="selective", compile=True)
     assert train_losses(compiled) == pytest.approx(train_losses(eager), rel=1e-5)
     spectral = [[r["spectral_norm_max"] for r in read_metrics(run)] for run in (compiled, eager)]
     assert spectral[0] == pytest.approx(spectral[1], rel=1e-5)
