@@ -237,7 +237,8 @@ class SpectronConfig:
 class ParallelConfig:
     """How the work is split; the data-parallel degree is the number of processes."""
 
-    zero_stage: Literal[0, 1, 2] = 0
+    # ZeRO: 1 partitions the optimizer state over the data-parallel ranks, 2 also the gradients, 3 also the weights
+    zero_stage: Literal[0, 1, 2, 3] = 0
     tensor_parallel: int = number(1, ge=1)  # T: ranks that split each layer; the data-parallel degree is processes / T
     timeout_minutes: float = number(30.0, gt=0, le=525_600)  # collectives that wait longer than this fail (<= a year)
     heartbeat_seconds: float = number(5.0, ge=0, le=3600)  # each rank's heartbeat, which names a dead or hung rank; 0: off
@@ -248,7 +249,7 @@ class TrainingConfig:
     steps: int = number(1000, gt=0)
     micro_batch_size: int = number(8, gt=0)  # sequences per process per forward pass
     global_batch_size: int = number(64, gt=0)  # sequences per optimizer step, over all processes
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: needs ZeRO stage 1 or 2
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: needs ZeRO stage 1, 2 or 3
     grad_clip: float = number(1.0, ge=0)  # global gradient-norm clipping; 0 turns it off
     seed: int = number(1234, ge=0, le=2**64 - 1)
     eval_interval: int = number(200, ge=0)  # steps between evaluations; 0: only at the end
@@ -345,7 +346,7 @@ class Config:
         # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
         # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
         _require(t.precision == "fp32" or self.parallel.zero_stage > 0, "training.precision",
-                 "bf16 needs parallel.zero_stage 1 or 2 (DeepSpeed's stage-0 bf16 wrapper steps the optimizer "
+                 "bf16 needs parallel.zero_stage 1, 2 or 3 (DeepSpeed's stage-0 bf16 wrapper steps the optimizer "
                  "once at start-up)")
         if data_parallel_size is not None:
             per_pass = t.micro_batch_size * data_parallel_size

@@ -63,6 +63,8 @@ def tiny_config(dataset: Path, output_dir: Path, method: str = "dense", **sectio
     for overrides in (METHODS[method], sections):
         for section, values in overrides.items():
             cfg.setdefault(section, {}).update(values)
+    if cfg.get("parallel", {}).get("zero_stage") == 3:  # every parameter released after use and gathered again
+        cfg.setdefault("deepspeed", {}).setdefault("zero_optimization", {})["stage3_param_persistence_threshold"] = 0
     return cfg
 
 
@@ -278,10 +280,22 @@ def train_losses(output_dir: Path) -> list[float]:
 
 
 def final_weights(checkpoint_tag: Path, tp_rank: int = 0) -> dict:
-    """The module state (weights and, for sparse models, index buffers) of a checkpoint's tensor-parallel rank."""
+    """The module state (weights and, for sparse models, index buffers) of a checkpoint's tensor-parallel rank;
+    at ZeRO-3, whose module files hold no weights, the fp32 master weights of that rank's shard."""
     import torch
 
-    return torch.load(checkpoint_tag / f"mp_rank_{tp_rank:02d}_model_states.pt", weights_only=False)["module"]
+    module_file = checkpoint_tag / f"mp_rank_{tp_rank:02d}_model_states.pt"
+    if module_file.is_file():
+        return torch.load(module_file, weights_only=False)["module"]
+    from megasparse.checkpoint.files import open_checkpoint, reference_model, split_dimensions
+    from megasparse.checkpoint.state import read_training_state
+    from megasparse.parallel.mappings import TensorParallel
+
+    checkpoint = open_checkpoint(checkpoint_tag)
+    tp = TensorParallel(None, checkpoint.meta.tensor_parallel_size, tp_rank)
+    dims = split_dimensions(reference_model(checkpoint.config, checkpoint.meta.vocab_size, tp))
+    weights = read_training_state(checkpoint).weights
+    return {name: w if dims.get(name) is None else tp.shard(w, dims[name]) for name, w in weights.items()}
 
 
 def assert_same_model(actual: dict, expected: dict, rel: float) -> None:

@@ -50,7 +50,7 @@ def test_shipped_configs_load_by_name():
     ({"training": {"precision": "fp8"}}, "training.precision: 'fp8' is not one of 'fp32', 'bf16'"),
     ({"training": {"progress": True}}, "training.progress: unknown key"),
     ({"logging": {"progress_bar": "yes"}}, "logging.progress_bar: expected bool"),
-    ({"parallel": {"zero_stage": 3}}, "parallel.zero_stage: 3 is not one of 0, 1, 2"),
+    ({"parallel": {"zero_stage": 4}}, "parallel.zero_stage: 4 is not one of 0, 1, 2, 3"),
     ({"parallel": {"zero_stage": True}}, "parallel.zero_stage: True is not one of"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected 2 values"),
     ({"optimizer": {"lr": -1.0}}, "optimizer.lr: must be > 0"),
@@ -65,7 +65,7 @@ def test_shipped_configs_load_by_name():
     ({"data": {"files": "a.txt"}}, "data.files: expected a list"),
     ({"data": {"val_fraction": 1.0}}, "data.val_fraction: must be in [0, 1)"),
     ({"model": [1, 2]}, "model: expected a mapping"),
-    ({"training": {"precision": "bf16"}}, "training.precision: bf16 needs parallel.zero_stage 1 or 2"),
+    ({"training": {"precision": "bf16"}}, "training.precision: bf16 needs parallel.zero_stage 1, 2 or 3"),
 ])
 def test_bad_values_name_the_key(raw, message):
     with pytest.raises(ConfigError) as error:

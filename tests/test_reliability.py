@@ -145,7 +145,7 @@ def test_damaged_checkpoint_is_skipped(runs, dataset, tmp_path, finished_run, da
     assert result.returncode == 2 and f"is damaged: {problem}" in result.stderr
 
 
-@pytest.mark.parametrize("zero", [0, 1])  # megasparse's guard at ZeRO-0, DeepSpeed's overflow check at ZeRO-1
+@pytest.mark.parametrize("zero", [0, 1, 3])  # megasparse's guard at ZeRO-0, DeepSpeed's overflow check at ZeRO-1 and 3
 def test_nonfinite_loss_skips_the_step_everywhere(dataset, tmp_path, zero):
     out = tmp_path / "out"
     config = fault_config(dataset, out, "dense", checkpoint={"interval": 1}, parallel={"zero_stage": zero})

@@ -1,5 +1,5 @@
 """Resharding: a checkpoint written in one layout (tensor-parallel degree, data-parallel degree, ZeRO
-stage) resumes in another, with every optimizer's state (AdamW, SMET's compact state, Spectron's momenta
+stage 0-3) resumes in another, with every optimizer's state (AdamW, SMET's compact state, Spectron's momenta
 and power vectors), directly or through a universal checkpoint (`megasparse convert reshard`)."""
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ LAYOUT_CHANGES = [
     ("dense", (0, 1, 1), (1, 4, 2), False),  # TP 1 -> 2 and DP 1 -> 2, ZeRO-0 -> 1
     ("spectron", (0, 2, 2), (2, 2, 1), True),  # TP 2 -> DP 2, ZeRO-0 -> 2, universal
     ("smet", (2, 2, 1), (0, 1, 1), True),  # DP 2 -> 1, ZeRO-2 -> 0, universal
+    ("smet", (3, 2, 1), (0, 1, 1), False),  # DP 2 -> 1, ZeRO-3 -> 0
+    ("smet", (1, 2, 1), (3, 2, 1), False),  # ZeRO-1 -> 3: cohorts and moments into per-parameter partitions
+    ("dense", (2, 2, 1), (3, 4, 2), False),  # TP 1 -> 2, ZeRO-2 -> 3
+    ("spectron", (3, 4, 2), (1, 2, 1), True),  # TP 2 -> 1, ZeRO-3 -> 1, universal
 ]
 
 

@@ -6,9 +6,9 @@
 # 1. On one GPU, a short bf16 training of each method (dense AdamW, SMET at d = 0.25, Spectron at rank 0.25) at
 #    ZeRO-2 and ZeRO-3, with selective activation checkpointing and compiled blocks: each run must finish, its
 #    loss must fall, and its tokens/s per device, TFLOPS per device and MFU are reported (median of the steps
-#    after the compilation). A layout megasparse refuses (ZeRO-3 until it is supported) is reported as refused.
-# 2. With two or more GPUs, the NCCL path: each method on 2 ranks (SMET and dense data-parallel at ZeRO-2,
-#    Spectron at 2 tensor-parallel ranks) in fp32 with TF32 off, against the same run on one GPU: the loss
+#    after the compilation). A layout megasparse refuses is reported as refused.
+# 2. With two or more GPUs, the NCCL path: each method on 2 ranks (dense data-parallel at ZeRO-2, SMET at
+#    ZeRO-3, Spectron at 2 tensor-parallel ranks) in fp32 with TF32 off, against the same run on one GPU: the loss
 #    curves must agree to 1e-4 relative, as they do on CPU with gloo at 1e-5.
 # Exits non-zero if any run that megasparse accepted failed or disagreed.
 set -uo pipefail
@@ -95,7 +95,7 @@ done
 
 if [ "$gpus" -ge 2 ]; then
     printf '\n## NCCL: 2 ranks against 1, fp32, TF32 off, 10 steps\n\n' | tee -a "$out/summary.md"
-    declare -A LAYOUT=([dense]="--set parallel.zero_stage=2" [smet]="--set parallel.zero_stage=2"
+    declare -A LAYOUT=([dense]="--set parallel.zero_stage=2" [smet]="--set parallel.zero_stage=3"
                        [spectron]="--set parallel.tensor_parallel=2 --set parallel.zero_stage=1")
     for method in dense smet spectron; do
         one="$out/$method-nccl-1" two="$out/$method-nccl-2"

@@ -17,8 +17,10 @@ from megasparse.errors import UserError
 def same_layout(meta: CheckpointMeta, cfg: Config, data_parallel_size: int) -> bool:
     """Whether DeepSpeed's own loader can restore the checkpoint into this run's layout."""
     saved_stage, stage = config_from_dict(meta.config).parallel.zero_stage, cfg.parallel.zero_stage
-    return meta.format == "deepspeed" and meta.tensor_parallel_size == cfg.parallel.tensor_parallel and (
-        saved_stage == stage == 0 or (saved_stage > 0 and stage > 0 and meta.data_parallel_size == data_parallel_size))
+    partitioned = {0: "module", 1: "flat", 2: "flat", 3: "per-parameter"}  # how the optimizer state is cut
+    return (meta.format == "deepspeed" and meta.tensor_parallel_size == cfg.parallel.tensor_parallel
+            and partitioned[saved_stage] == partitioned[stage]
+            and (stage == 0 or meta.data_parallel_size == data_parallel_size))
 
 
 def check_same_model(saved: Config, cfg: Config, source: str) -> None:

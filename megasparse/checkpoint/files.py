@@ -7,8 +7,10 @@ A checkpoint is a tag directory ``step_<8 digits>/`` written by DeepSpeed plus m
     tokenizer.model                              the SentencePiece model of the training data
     mp_rank_<t>_model_states.pt                  per tensor-parallel rank t: module weights, scheduler,
                                                  client state; at ZeRO-0 also the optimizer state
-    zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt per (data-parallel rank d, t) at ZeRO-1/2: fp32 master
+    zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt per (data-parallel rank d, t) at ZeRO-1/2/3: fp32 master
                                                  partition and optimizer state
+    zero_pp_rank_<d>_mp_rank_<t>_model_states.pt at ZeRO-3, instead of the first: per (d, t), the same
+                                                 contents with empty parameters (buffers whole)
 
 or, after ``megasparse convert reshard``, a layout-free "universal" checkpoint (see state.py): the
 same megasparse files with ``weights.safetensors``, ``optimizer.safetensors`` and ``state.pt``.
@@ -77,8 +79,10 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(tags, key=lambda p: p.name)
 
 
-def model_file(tensor_parallel_rank: int) -> str:
-    return f"mp_rank_{tensor_parallel_rank:02d}_model_states.pt"
+def model_file(tensor_parallel_rank: int, data_parallel_rank: int | None = None) -> str:
+    """DeepSpeed's name: one file per tensor-parallel rank, or at ZeRO-3 one per (data-parallel rank, t)."""
+    prefix = "" if data_parallel_rank is None else f"zero_pp_rank_{data_parallel_rank}_"
+    return f"{prefix}mp_rank_{tensor_parallel_rank:02d}_model_states.pt"
 
 
 def optimizer_file(data_parallel_rank: int, tensor_parallel_rank: int, bf16: bool) -> str:
@@ -134,6 +138,11 @@ class Checkpoint:
     def bf16(self) -> bool:
         return self.config.training.precision == "bf16"
 
+    def model_file(self, tensor_parallel_rank: int) -> Path:
+        """The module file of tensor-parallel rank t (at ZeRO-3, data-parallel rank 0's: buffers and client
+        state are the same on every data-parallel rank)."""
+        return self.tag_dir / model_file(tensor_parallel_rank, 0 if self.zero_stage == 3 else None)
+
     def files(self) -> list[Path]:
         """Every file the checkpoint's layout needs."""
         names = [META_FILE]
@@ -141,7 +150,10 @@ class Checkpoint:
             names += UNIVERSAL_FILES
         else:
             for t in range(self.meta.tensor_parallel_size):
-                names.append(model_file(t))
+                if self.zero_stage == 3:
+                    names += [model_file(t, d) for d in range(self.meta.data_parallel_size)]
+                else:
+                    names.append(model_file(t))
                 if self.zero_stage > 0:
                     names += [optimizer_file(d, t, self.bf16) for d in range(self.meta.data_parallel_size)]
         return [self.tag_dir / name for name in names]

@@ -1,10 +1,13 @@
 """A training checkpoint with every tensor whole: read from any layout, written into any layout.
 
 DeepSpeed's files depend on the layout that wrote them: one module file per tensor-parallel rank
-t holding t's shard of each split parameter, and at ZeRO-1/2 one optimizer file per (data-parallel
+t holding t's shard of each split parameter, and at ZeRO-1/2/3 one optimizer file per (data-parallel
 rank, t) holding a flat fp32 partition of each parameter group and the client optimizer's state
-for it. A group's flat vector is its parameters flattened in the order of the module file's
-``param_shapes``, each followed by its alignment padding, then cut into equal partitions.
+for it. At ZeRO-1/2 a group's flat vector is its parameters flattened in the order of the module
+file's ``param_shapes``, each followed by its alignment padding, then cut into equal partitions.
+At ZeRO-3 each parameter is cut on its own (rank d holds its elements [d P, (d + 1) P), P =
+ceil(numel / D)) and a sub-group's flat partition is those pieces in ``param_shapes`` order; the
+module files then hold empty parameters, so every weight comes from the fp32 masters.
 
 :func:`read_training_state` undoes all of this into a :class:`TrainingState`: per parameter its
 whole fp32 master weights and whole elementwise optimizer state (Adam's moments, SMET's compact
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
@@ -36,11 +40,11 @@ from torch import nn
 
 from megasparse.checkpoint.durable import write_manifest
 from megasparse.checkpoint.files import (META_FILE, OPTIMIZER_FILE, TOKENIZER_FILE, UNIVERSAL, VALUES_FILE,
-                                         WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, model_file,
-                                         optimizer_file, reference_model, split_dimensions)
+                                         WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, optimizer_file,
+                                         reference_model, split_dimensions)
 from megasparse.errors import UserError
 from megasparse.optim.groups import parameter_groups
-from megasparse.optim.partitions import optimizer_fragments
+from megasparse.optim.partitions import full_shape, optimizer_fragments
 from megasparse.parallel.mappings import TensorParallel
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -58,7 +62,7 @@ class TrainingState:
 
 def elementwise(value: Any, param: torch.Tensor) -> bool:
     """Whether an optimizer state value holds one number per parameter element."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == param.numel()
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == full_shape(param).numel()
 
 
 # ----------------------------------------------------------------------------- reading
@@ -90,22 +94,26 @@ def read_training_state(checkpoint: Checkpoint) -> TrainingState:
 
 def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
     """Tensor-parallel rank t's weights, optimizer state (both shard-shaped) and module-file contents."""
-    path = checkpoint.tag_dir / model_file(t)
+    path = checkpoint.model_file(t)
     states = load_file(path)
     weights = dict(states.get("module") or {})
-    expected = {name: p.shape for name, p in model.state_dict(keep_vars=True).items()}
-    shapes = {name: tuple(w.shape) for name, w in weights.items()}
-    if shapes != {name: tuple(s) for name, s in expected.items()}:
-        wrong = sorted(set(shapes.items()) ^ {(n, tuple(s)) for n, s in expected.items()})[0][0]
-        raise UserError(f"'{path}' does not hold the model of its megasparse.json (parameter '{wrong}' "
-                        "missing or of another shape)")
     params = dict(model.named_parameters())
     if checkpoint.zero_stage == 0:
         optimizer = _zero0_optimizer_state(states.get("optimizer"), checkpoint, model, path)
     else:
         optimizer = _zero_partitions(checkpoint, t, states.get("param_shapes"))
         for name, entry in optimizer.items():
+            if name not in params:
+                raise UserError(f"'{path}' does not hold the model of its megasparse.json (it has a parameter "
+                                f"'{name}' the model has not)")
             weights[name] = entry.pop("fp32").view(params[name].shape)  # fp32 masters over bf16 module weights
+    module = model.state_dict(keep_vars=True)
+    names = {id(tensor): name for name, tensor in reversed(module.items())}  # a tied weight: its first name
+    weights = {name: weights.get(names[id(tensor)]) for name, tensor in module.items()}
+    wrong = next((name for name, w in weights.items() if w is None or w.shape != module[name].shape), None)
+    if wrong is not None:
+        raise UserError(f"'{path}' does not hold the model of its megasparse.json (parameter '{wrong}' "
+                        "missing or of another shape)")
     for name, entry in optimizer.items():
         for key, value in entry.items():
             if elementwise(value, params[name]):
@@ -129,7 +137,9 @@ def _zero_partitions(checkpoint: Checkpoint, t: int, shapes: list[dict[str, Any]
     ranks = [load_file(checkpoint.tag_dir / optimizer_file(d, t, checkpoint.bf16))["optimizer_state_dict"]
              for d in range(checkpoint.meta.data_parallel_size)]
     if not shapes:
-        raise UserError(f"'{checkpoint.tag_dir / model_file(t)}' has no parameter shapes (not a ZeRO-1/2 checkpoint)")
+        raise UserError(f"'{checkpoint.model_file(t)}' has no parameter shapes (not a ZeRO-1/2/3 checkpoint)")
+    if checkpoint.zero_stage == 3:
+        return _zero3_partitions(ranks, shapes)
     params: dict[str, dict[str, Any]] = {}
     for group, group_shapes in enumerate(shapes):
         partitions = [r["single_partition_of_fp32_groups"][group] for r in ranks]
@@ -148,6 +158,29 @@ def _zero_partitions(checkpoint: Checkpoint, t: int, shapes: list[dict[str, Any]
             numel = torch.Size(shape).numel()
             params[name] = {key: tensor[offset:offset + numel].clone() for key, tensor in flat.items()} | shared
             offset += numel + padding
+    return params
+
+
+def _zero3_partitions(ranks: list[dict[str, Any]], shapes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """As :func:`_zero_partitions` for ZeRO-3's layout: per sub-group g, rank d's flat tensor holds, for each
+    parameter in turn, its elements [d P, (d + 1) P) (P = ceil(numel / D), the last piece zero-padded)."""
+    params: dict[str, dict[str, Any]] = {}
+    for group, group_shapes in enumerate(shapes):
+        states = [r["optimizer_state_dict"]["state"][group] for r in ranks]
+        flats = {"fp32": [r["fp32_flat_groups"][group] for r in ranks]}
+        shared = {}
+        for key, value in states[0].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                flats[key] = [s[key].reshape(-1) for s in states]
+            else:
+                shared[key] = value
+        offset = 0
+        for name, shape in group_shapes.items():
+            numel = torch.Size(shape).numel()
+            size = -(-numel // len(ranks))
+            params[name] = {key: torch.cat([f[offset:offset + size] for f in pieces])[:numel].clone()
+                            for key, pieces in flats.items()} | shared
+            offset += size
     return params
 
 
@@ -180,7 +213,8 @@ def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state:
     for name, tensor in module.state_dict(keep_vars=True).items():
         if name not in state.weights:
             raise UserError(f"the checkpoint has no tensor '{name}' (written for another model)")
-        tensor.copy_(local_shard(state.weights[name], tensor, tp).to(tensor.dtype))
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):  # ZeRO-3: partitioned again on exit
+            tensor.copy_(local_shard(state.weights[name], tensor, tp).to(tensor.dtype))
     for name, param in module.named_parameters():
         entry = {key: local_shard(value, param, tp).reshape(-1) if elementwise(value, param) or _split(value, param)
                  else value for key, value in state.optimizer.get(name, {}).items()}
@@ -191,7 +225,7 @@ def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state:
             fragment.owner.view(-1)[target] = master[span].to(fragment.owner.device)
             owner_state = client_optimizer.state[fragment.owner]
             for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == param.numel():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == full_shape(param).numel():
                     if owner_state.get(key) is None:
                         owner_state[key] = torch.zeros(fragment.owner.shape, dtype=value.dtype,
                                                        device=fragment.owner.device)
@@ -209,18 +243,20 @@ def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state:
 def _split(value: Any, param: nn.Parameter) -> bool:
     """A whole-parameter state tensor of a tensor-parallel shard ``param``."""
     dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
-    return torch.is_tensor(value) and dim is not None and value.dim() == param.dim() and value.shape != param.shape
+    shape = full_shape(param)
+    return torch.is_tensor(value) and dim is not None and value.dim() == len(shape) and value.shape != shape
 
 
 def local_shard(whole: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This tensor-parallel rank's shard of ``whole`` for the module tensor ``like`` (split along its
     ``partition_dim``), checked to fit."""
-    if whole.shape == like.shape:
+    shape = full_shape(like)
+    if whole.shape == shape:
         return whole
     dim = getattr(like, "partition_dim", None)
-    if dim is None or tp.shard(whole, dim).shape != like.shape:
+    if dim is None or tp.shard(whole, dim).shape != shape:
         raise UserError(f"the checkpoint's tensor of shape {tuple(whole.shape)} does not fit this model's "
-                        f"{tuple(like.shape)} (written for another model)")
+                        f"{tuple(shape)} (written for another model)")
     return tp.shard(whole, dim)
 
 

@@ -33,8 +33,12 @@ scalars (see linalg.py). Under ZeRO-1/2 DeepSpeed hands this optimizer flat part
 through the factors; the momentum is kept per partition (so it partitions, checkpoints and
 reshards like Adam's moments), and before orthogonalising each factor's momentum is assembled
 from all data-parallel ranks' fragments by one all-reduce: Newton-Schulz always sees the whole,
-fully reduced factor, never a partition. The gradient DeepSpeed hands over is already reduced
-over data-parallel ranks and clipped, so clipping precedes orthogonalisation.
+fully reduced factor, never a partition. Under ZeRO-3 the same holds for its sub-group's flat
+partition, and the power iteration runs on the whole factors, gathered from their partitions
+(``GatheredParameters``) for the step; DeepSpeed steps a ZeRO-3 optimizer once per sub-group,
+so every factor must lie in one (checked by :meth:`Spectron.attach`). The gradient DeepSpeed
+hands over is already reduced over data-parallel ranks and clipped, so clipping precedes
+orthogonalisation.
 
 State layout. As with SMET, every parameter has the same state keys (``None`` where a key does
 not apply) and the power-iteration vectors are a nested dict, not a state tensor, because
@@ -48,6 +52,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import deepspeed
 import deepspeed.comm as dist
 import torch
 from torch import nn
@@ -55,7 +60,8 @@ from torch import nn
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.optim.adamw import adamw_update
-from megasparse.optim.partitions import Fragment
+from megasparse.errors import UserError
+from megasparse.optim.partitions import Fragment, full_shape
 from megasparse.parallel.mappings import TensorParallel
 
 
@@ -100,6 +106,11 @@ class Spectron(torch.optim.Optimizer):
         """Bind the factor pairs to this rank's optimizer tensors (after ``deepspeed.initialize``).
         ``partitioned``: the factors are split over data-parallel ranks (ZeRO-1/2)."""
         self.pairs, self.fragments, self.dp_group, self.partitioned = pairs, fragments, dp_group, partitioned
+        owners = {id(f.owner) for pair in pairs for param in (pair.layer.A, pair.layer.B) for f in fragments(param)}
+        if partitioned and len(owners) > 1:  # ZeRO-0 holds each factor itself; ZeRO-1/2 one flat tensor per group
+            raise UserError("spectron: the low-rank factors fall into several ZeRO-3 sub-groups, which DeepSpeed "
+                            "steps one at a time; raise deepspeed.zero_optimization.sub_group_size above their "
+                            "number of elements per rank")
 
     # ------------------------------------------------------------------ the step
 
@@ -120,7 +131,7 @@ class Spectron(torch.optim.Optimizer):
                     self._directions[id(p)] = self._adam_direction(state, p.grad, group)
                 else:
                     adamw_update(p, p.grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        factor_group = next((g for g in self.param_groups if g["spectron"]), None)
+        factor_group = next((g for g in self.param_groups if g["spectron"] and g["params"]), None)
         if factor_group is not None:
             for pair in self.pairs:
                 self._step_pair(pair, factor_group)
@@ -146,8 +157,9 @@ class Spectron(torch.optim.Optimizer):
         lr, decay = group["lr"], group["weight_decay"]
         layer, whole = pair.layer, TensorParallel()
         power = self._power_vectors(pair)
-        sigma_a, power[0] = power_iteration(layer.A.detach(), power[0], pair.tp if pair.a_split else whole)
-        sigma_b, power[1] = power_iteration(layer.B.detach().T, power[1], pair.tp if pair.b_split else whole)
+        with deepspeed.zero.GatheredParameters([layer.A, layer.B]):  # a no-op below ZeRO-3
+            sigma_a, power[0] = power_iteration(layer.A.detach(), power[0], pair.tp if pair.a_split else whole)
+            sigma_b, power[1] = power_iteration(layer.B.detach().T, power[1], pair.tp if pair.b_split else whole)
         self.spectral_norms[pair.name] = sigma_a + sigma_b
         rho = lr / (sigma_a + sigma_b + 1.0) if self.renormalise else lr  # a device scalar: no host synchronisation
         for param, rows, cols, split in ((layer.A, layer.out_features, layer.rank, pair.a_split),
@@ -173,13 +185,14 @@ class Spectron(torch.optim.Optimizer):
         fragments = self.fragments(param)
         if not self.partitioned and fragments[0].owner is param:  # ZeRO-0: the optimizer holds the parameter itself
             return self._directions[id(param)].float()
-        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        shape = full_shape(param)
+        whole = torch.zeros(shape.numel(), dtype=torch.float32, device=param.device)
         for f in fragments:
             direction = self._directions[id(f.owner)].reshape(-1)
             whole[f.start:f.start + f.numel] = direction[f.offset:f.offset + f.numel]
         if self.partitioned:
             dist.all_reduce(whole, group=self.dp_group)
-        return whole.view_as(param)
+        return whole.view(shape)
 
     def _power_vectors(self, pair: FactorPair) -> list[torch.Tensor]:
         """The pair's right singular-vector estimates (r each), kept across steps; seeded by its name."""

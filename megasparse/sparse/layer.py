@@ -55,7 +55,7 @@ class SparseLinear(nn.Module):
 
     @property
     def nnz(self) -> int:
-        return self.values.numel()
+        return self.index.numel()  # the index is a buffer, whole on every rank (ZeRO-3 partitions the values)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """The dense (out, in) matrix with ``values`` at the active positions and zeros elsewhere."""

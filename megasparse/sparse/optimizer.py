@@ -31,8 +31,9 @@ birth steps. Once a cohort is older than both W and the age at which b^t vanishe
 (b^t < 2^-24, so 1 - b^t == 1), its slots are relabelled ``MATURE`` and the id is reused.
 
 The parameters this optimizer sees are whatever DeepSpeed hands it: the module's compact
-vectors at ZeRO-0, or one flat fp32 partition per group and rank at ZeRO-1/2; the tensor
-state is elementwise, so it partitions with them. The step count and the birth table are
+vectors at ZeRO-0, one flat fp32 partition per group and rank at ZeRO-1/2, one per sub-group
+and rank at ZeRO-3 (and then only while that sub-group steps, so regrowth finds the state by
+tensor, never through ``param_groups``); the tensor state is elementwise, so it partitions with them. The step count and the birth table are
 plain Python values, and every parameter has the same state keys (``None`` where a key does
 not apply): DeepSpeed's ZeRO checkpointing treats every non-scalar state tensor as
 partition-shaped (it strips and re-adds padding, and restores it as fp32) and restores each
@@ -126,7 +127,12 @@ class SMETAdam(torch.optim.Optimizer):
             state["cohort"] = torch.zeros_like(p, dtype=torch.uint8) if per_slot else None
             # birth step of each cohort; -1: unused
             state["birth"] = [0.0] + [-1.0] * (_COHORTS - 1) if per_slot else None
-        elif state["cohort"] is not None and state["cohort"].dtype != torch.uint8:  # loaded as fp32
+        return self._loaded(state)
+
+    @staticmethod
+    def _loaded(state: dict) -> dict:
+        """``state`` with its cohort ids as uint8 again (DeepSpeed's ZeRO-1/2 checkpoints restore them as fp32)."""
+        if state.get("cohort") is not None and state["cohort"].dtype != torch.uint8:
             state["cohort"] = state["cohort"].to(torch.uint8)
         return state
 
@@ -134,8 +140,8 @@ class SMETAdam(torch.optim.Optimizer):
 
     def open_cohort(self) -> int:
         """Start the cohort of the slots regrown now (after this step); returns its id."""
-        sparse_states = [self._state(p, g) for g in self.param_groups if g["sparse"] for p in g["params"]]
-        if not sparse_states or sparse_states[0]["cohort"] is None:
+        sparse_states = [self._loaded(state) for state in self.state.values() if state.get("cohort") is not None]
+        if not sparse_states:  # the naive mode, or no step yet
             return MATURE
         birth, now = sparse_states[0]["birth"], float(sparse_states[0]["step"])
         mature = [c for c in range(MATURE) if birth[c] >= 0 and now - birth[c] >= self._maturity_age()]
@@ -157,8 +163,7 @@ class SMETAdam(torch.optim.Optimizer):
     def regrow(self, owner: torch.Tensor, positions: torch.Tensor, cohort: int) -> None:
         """Slots at ``positions`` of ``owner`` (one of this optimizer's tensors) restart: weight 0,
         moments 0, step count 1 at the next step."""
-        group = next(g for g in self.param_groups if any(p is owner for p in g["params"]))
-        state = self._state(owner, group)
+        state = self._loaded(self.state[owner])
         owner.view(-1)[positions] = 0
         for key in ("exp_avg", "exp_avg_sq"):
             state[key].view(-1)[positions] = 0

@@ -16,13 +16,15 @@ At update step t (t = Delta T, 2 Delta T, ... before ``stop_step``) with prune f
 The decision is a function of the whole layer (its values, index and, for RigL, the dense
 gradient summed over data-parallel ranks) and of a generator seeded by (seed, t, layer),
 all identical on every rank, so it comes out the same whatever the number of processes,
-the ZeRO stage or the gradient accumulation.
+the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values are gathered for the
+decision and the pruned slots zeroed in the gathered copy, which DeepSpeed partitions again.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+import deepspeed
 import deepspeed.comm as dist
 import torch
 from torch import nn
@@ -87,9 +89,11 @@ class TopologyUpdater:
                 dist.all_reduce(layer.dense_grad, group=self.dp_group)
             generator = torch.Generator(device=layer.index.device)
             generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
-            slots, positions = choose_regrowth(layer.values, layer.index, numel, count, generator, layer.dense_grad)
-            layer.index[slots] = positions.to(torch.int32)
-            layer.values[slots] = 0
+            with deepspeed.zero.GatheredParameters([layer.values], modifier_rank=0):  # a no-op below ZeRO-3
+                slots, positions = choose_regrowth(layer.values, layer.index, numel, count, generator,
+                                                   layer.dense_grad)
+                layer.index[slots] = positions.to(torch.int32)
+                layer.values[slots] = 0
             for fragment in self.fragments(layer.values):
                 self.optimizer.regrow(fragment.owner, fragment.positions(slots), cohort)
             layer.dense_grad = None
