@@ -382,8 +382,6 @@ class Config:
 
     def _validate_tensor_parallel(self) -> None:
         t, m = self.parallel.tensor_parallel, self.model
-        _require(t == 1 or m.layer != "sparse", "parallel.tensor_parallel",
-                 "sparse (SMET) models run with tensor_parallel=1 (data parallel and ZeRO only)")
         for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_dim", m.ffn_dim)):
             _require(value % t == 0, "parallel.tensor_parallel", f"{t} does not divide {key}={value}")
 

@@ -22,6 +22,7 @@ from megasparse.parallel.groups import create_groups
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                         VocabParallelHead, WeightInit)
 from megasparse.parallel.mappings import TensorParallel
+from megasparse.sparse.layer import SparseLinear
 
 
 def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -34,16 +35,23 @@ def gathered(shard: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def mlp_pair(tp: TensorParallel, lowrank: bool) -> float:
-    """column-parallel then row-parallel projection (as q/o or up/down) against the unsplit pair."""
+def mlp_pair(tp: TensorParallel, kind: str) -> float:
+    """column-parallel then row-parallel projection (as q/o or up/down) against the unsplit pair; for sparse
+    layers also RigL's dense gradient of the whole W, joined from the shards."""
     def build(t: TensorParallel):
         torch.manual_seed(0)
-        if lowrank:
-            return (LowRankLinear(16, 24, 6, WeightInit(0.3), t, "column" if t.size > 1 else None),
-                    LowRankLinear(24, 12, 5, WeightInit(0.3), t, "row" if t.size > 1 else None))
+        column, row = ("column", "row") if t.size > 1 else (None, None)
+        if kind == "lowrank":
+            return LowRankLinear(16, 24, 6, WeightInit(0.3), t, column), LowRankLinear(24, 12, 5, WeightInit(0.3), t, row)
+        if kind == "sparse":  # 96 and 72 active weights: 48 and 36 slots per rank
+            return (SparseLinear(16, 24, 0.25, WeightInit(0.3), t, column),
+                    SparseLinear(24, 12, 0.25, WeightInit(0.3), t, row))
         return ColumnParallelLinear(16, 24, t, WeightInit(0.3)), RowParallelLinear(24, 12, t, WeightInit(0.3))
 
     split, whole = build(tp), build(TensorParallel())
+    if kind == "sparse":
+        for layer in (*split, *whole):
+            layer.dense_grad = torch.zeros(layer.shard_shape)
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
     x_whole = x.detach().clone().requires_grad_()
     y = split[1](F.silu(split[0](x)))
@@ -51,22 +59,28 @@ def mlp_pair(tp: TensorParallel, lowrank: bool) -> float:
     (y.square().sum()).backward()
     (y_whole.square().sum()).backward()
     errors = [relative(y, y_whole), relative(x.grad, x_whole.grad)]
-    names = ["A", "B"] if lowrank else ["weight"]
-    for layer, reference, kind in ((split[0], whole[0], "column"), (split[1], whole[1], "row")):
+    names = {"lowrank": ["A", "B"], "sparse": ["values"]}.get(kind, ["weight"])
+    for layer, reference in zip(split, whole):
         for name in names:
             param, ref = getattr(layer, name), getattr(reference, name)
             dim = getattr(param, "partition_dim", None)
             full = gathered(param.grad, tp, dim) if dim is not None else param.grad
             errors.append(relative(full, ref.grad))
+        if kind == "sparse":
+            errors.append(relative(layer.whole_dense_grad(), reference.dense_grad))
     return max(errors)
 
 
 def dense_pair(tp):
-    return mlp_pair(tp, lowrank=False)
+    return mlp_pair(tp, "dense")
 
 
 def lowrank_pair(tp):
-    return mlp_pair(tp, lowrank=True)
+    return mlp_pair(tp, "lowrank")
+
+
+def sparse_pair(tp):
+    return mlp_pair(tp, "sparse")
 
 
 def vocab_parallel(tp: TensorParallel) -> float:
@@ -114,7 +128,7 @@ def newton_schulz_split(tp: TensorParallel) -> float:
     return relative(gathered(newton_schulz(tp.shard(full, 0), tp), tp, 0), newton_schulz(full, TensorParallel()))
 
 
-CHECKS = [dense_pair, lowrank_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
+CHECKS = [dense_pair, lowrank_pair, sparse_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
           newton_schulz_split]
 
 

@@ -38,6 +38,8 @@ LAYOUT_CHANGES = [
     ("smet", (1, 2, 1), (3, 2, 1), False),  # ZeRO-1 -> 3: cohorts and moments into per-parameter partitions
     ("dense", (2, 2, 1), (3, 4, 2), False),  # TP 1 -> 2, ZeRO-2 -> 3
     ("spectron", (3, 4, 2), (1, 2, 1), True),  # TP 2 -> 1, ZeRO-3 -> 1, universal
+    ("smet-tp", (2, 4, 2), (0, 1, 1), False),  # sparse layers: TP 2 -> 1 and DP 2 -> 1, ZeRO-2 -> 0
+    ("smet-tp", (0, 1, 1), (3, 4, 2), True),  # sparse layers: TP 1 -> 2 and DP 1 -> 2, ZeRO-0 -> 3, universal
 ]
 
 
@@ -60,4 +62,5 @@ def test_resume_in_another_layout(runs, dataset, tmp_path, method, saved, resume
     assert train_losses(tmp_path / "out") == pytest.approx(train_losses(stayed)[4:], rel=1e-6)
     expected = read_training_state(open_checkpoint(stayed / "checkpoints" / "step_00000008"))
     actual = read_training_state(open_checkpoint(tmp_path / "out" / "checkpoints" / "step_00000008"))
-    assert_same_model(actual.weights, expected.weights, rel=1e-6)
+    # SMET's Adam magnifies the changed rounding of a tensor-parallel change (TP_WEIGHTS in test_smet_training)
+    assert_same_model(actual.weights, expected.weights, rel=1e-4 if method == "smet-tp" else 1e-6)

@@ -176,7 +176,9 @@ def test_bad_lowrank_configs(raw, message):
     assert message in str(error.value)
 
 
-def test_sparse_models_are_not_tensor_parallel():
-    with pytest.raises(ConfigError, match="sparse .SMET. models run with tensor_parallel=1"):
-        config_from_dict({"model": {"layer": "sparse"}, "optimizer": {"name": "smet"},
-                          "parallel": {"tensor_parallel": 2}}).validate()
+def test_sparse_slots_must_split_evenly_over_tensor_parallel_ranks():
+    cfg = {"model": {"preset": "llama-tiny", "layer": "sparse"}, "optimizer": {"name": "smet"},
+           "parallel": {"tensor_parallel": 2}}
+    layer_factory(config_from_dict({**cfg, "sparse": {"density": 0.25}}).validate())  # 1024 of 64 x 64: 512 each
+    with pytest.raises(ConfigError, match="2 ranks cannot share the 1229 active weights of q_proj"):
+        layer_factory(config_from_dict({**cfg, "sparse": {"density": 0.3}}).validate())

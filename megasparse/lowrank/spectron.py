@@ -34,8 +34,8 @@ through the factors; the momentum is kept per partition (so it partitions, check
 reshards like Adam's moments), and before orthogonalising each factor's momentum is assembled
 from all data-parallel ranks' fragments by one all-reduce: Newton-Schulz always sees the whole,
 fully reduced factor, never a partition. Under ZeRO-3 the same holds for its sub-group's flat
-partition, and the power iteration runs on the whole factors, gathered from their partitions
-(``GatheredParameters``) for the step; DeepSpeed steps a ZeRO-3 optimizer once per sub-group,
+partition, and the power iteration runs on the whole factors, assembled the same way from their
+fp32 master partitions; DeepSpeed steps a ZeRO-3 optimizer once per sub-group,
 so every factor must lie in one (checked by :meth:`Spectron.attach`). The gradient DeepSpeed
 hands over is already reduced over data-parallel ranks and clipped, so clipping precedes
 orthogonalisation.
@@ -52,7 +52,6 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import deepspeed
 import deepspeed.comm as dist
 import torch
 from torch import nn
@@ -157,9 +156,9 @@ class Spectron(torch.optim.Optimizer):
         lr, decay = group["lr"], group["weight_decay"]
         layer, whole = pair.layer, TensorParallel()
         power = self._power_vectors(pair)
-        with deepspeed.zero.GatheredParameters([layer.A, layer.B]):  # a no-op below ZeRO-3
-            sigma_a, power[0] = power_iteration(layer.A.detach(), power[0], pair.tp if pair.a_split else whole)
-            sigma_b, power[1] = power_iteration(layer.B.detach().T, power[1], pair.tp if pair.b_split else whole)
+        a, b = (self._whole_weight(param) for param in (layer.A, layer.B))
+        sigma_a, power[0] = power_iteration(a, power[0], pair.tp if pair.a_split else whole)
+        sigma_b, power[1] = power_iteration(b.T, power[1], pair.tp if pair.b_split else whole)
         self.spectral_norms[pair.name] = sigma_a + sigma_b
         rho = lr / (sigma_a + sigma_b + 1.0) if self.renormalise else lr  # a device scalar: no host synchronisation
         for param, rows, cols, split in ((layer.A, layer.out_features, layer.rank, pair.a_split),
@@ -185,11 +184,24 @@ class Spectron(torch.optim.Optimizer):
         fragments = self.fragments(param)
         if not self.partitioned and fragments[0].owner is param:  # ZeRO-0: the optimizer holds the parameter itself
             return self._directions[id(param)].float()
+        return self._assembled(param, lambda f: self._directions[id(f.owner)].reshape(-1))
+
+    def _whole_weight(self, param: nn.Parameter) -> torch.Tensor:
+        """The whole (tensor-parallel shard of the) factor ``param``: the module's copy below ZeRO-3, the fp32
+        masters assembled from every data-parallel rank at ZeRO-3 (which holds only a partition of it). Not
+        gathered through DeepSpeed: inside the optimizer step, DeepSpeed before 0.19.8 trains on wrong values
+        after a ``GatheredParameters`` there (found by the lowest-version tests)."""
+        if not hasattr(param, "ds_tensor"):
+            return param.detach()
+        return self._assembled(param, lambda f: f.owner.view(-1))
+
+    def _assembled(self, param: nn.Parameter, source: Callable[[Fragment], torch.Tensor]) -> torch.Tensor:
+        """``param``'s shape filled from this rank's fragments of it (``source(f)`` is the flat tensor a fragment
+        indexes) and summed over the data-parallel ranks, which hold the other fragments."""
         shape = full_shape(param)
         whole = torch.zeros(shape.numel(), dtype=torch.float32, device=param.device)
-        for f in fragments:
-            direction = self._directions[id(f.owner)].reshape(-1)
-            whole[f.start:f.start + f.numel] = direction[f.offset:f.offset + f.numel]
+        for f in self.fragments(param):
+            whole[f.start:f.start + f.numel] = source(f)[f.offset:f.offset + f.numel]
         if self.partitioned:
             dist.all_reduce(whole, group=self.dp_group)
         return whole.view(shape)

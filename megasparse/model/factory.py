@@ -50,9 +50,23 @@ def low_ranks(cfg: Config) -> dict[str, int]:
 
 def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel()) -> LayerFactory:
     """The factory for ``model.layer`` on ``tp``'s tensor-parallel group."""
-    if cfg.model.layer == "sparse":
-        shapes, counts = projection_shapes(cfg.model)
-        targets = {role: shapes[role] for role in cfg.sparse.targets}
-        return SparseLayers(layer_densities(targets, counts, cfg.sparse))
     base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
+    if cfg.model.layer == "sparse":
+        return SparseLayers(base, tp, sparse_densities(cfg))
     return LowRankLayers(base, tp, low_ranks(cfg)) if cfg.model.layer == "lowrank" else base
+
+
+def sparse_densities(cfg: Config) -> dict[str, float]:
+    """Each sparse role's density, checked to give a number of active weights that the tensor-parallel
+    ranks share evenly (each stores the same number of slots)."""
+    shapes, counts = projection_shapes(cfg.model)
+    densities = layer_densities({role: shapes[role] for role in cfg.sparse.targets}, counts, cfg.sparse)
+    t = cfg.parallel.tensor_parallel
+    for role, density in densities.items():
+        in_features, out_features = shapes[role]
+        nnz = max(1, round(density * in_features * out_features))
+        if nnz % t:
+            raise ConfigError(f"parallel.tensor_parallel: {t} ranks cannot share the {nnz} active weights of {role} "
+                              f"(density {density:.4g} of {out_features} x {in_features}) evenly; choose a "
+                              f"sparse.density that gives a multiple of {t}")
+    return densities

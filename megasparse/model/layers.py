@@ -7,7 +7,8 @@ the factory from ``model.layer`` and the tensor-parallel degree, the way torchti
 ``parallelize`` apart from the model:
 
 - ``DenseLayers``: ``nn.Embedding``, ``nn.Linear``, a linear head with cross-entropy;
-- ``SparseLayers``: SMET's ``SparseLinear`` for the sparse targets (single tensor-parallel rank);
+- ``SparseLayers``: SMET's ``SparseLinear`` for the sparse targets (split over the tensor-parallel
+  group the same way), everything else as above;
 - ``TensorParallelLayers``: Megatron-style column/row-parallel projections (q, k, v, gate, up by
   columns; o, down by rows), a vocabulary-parallel embedding and head;
 - ``LowRankLayers``: ``LowRankLinear`` (W = A B) for the low-rank targets, split over the
@@ -83,16 +84,18 @@ def _initialised(layer: nn.Linear, init: WeightInit) -> nn.Linear:
     return layer
 
 
-class SparseLayers(DenseLayers):
-    """``SparseLinear`` for the roles in ``densities``, dense layers for everything else."""
+class SparseLayers:
+    """``SparseLinear`` at the given density for each role in ``densities``; everything else from ``base``
+    (``DenseLayers`` on one tensor-parallel rank, ``TensorParallelLayers`` on several)."""
 
-    def __init__(self, densities: dict[str, float]) -> None:
-        self.densities = densities
+    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, densities: dict[str, float]) -> None:
+        self.base, self.tp, self.densities = base, tp, densities
+        self.embedding, self.head = base.embedding, base.head
 
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.densities:
-            return super().projection(in_features, out_features, role, init)
-        return SparseLinear(in_features, out_features, self.densities[role], init)
+            return self.base.projection(in_features, out_features, role, init)
+        return SparseLinear(in_features, out_features, self.densities[role], init, self.tp, _split(role, self.tp))
 
 
 class TensorParallelLayers:
@@ -122,5 +125,9 @@ class LowRankLayers:
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.ranks:
             return self.base.projection(in_features, out_features, role, init)
-        parallel = None if self.tp.size == 1 else "column" if role in COLUMN_ROLES else "row"
-        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, parallel)
+        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, _split(role, self.tp))
+
+
+def _split(role: Role, tp: TensorParallel) -> Literal["column", "row"] | None:
+    """How a factorised or sparse projection of ``role`` is split over ``tp``'s group."""
+    return None if tp.size == 1 else "column" if role in COLUMN_ROLES else "row"

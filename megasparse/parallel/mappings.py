@@ -39,10 +39,17 @@ def all_reduce(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return tensor
 
 
-def _gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (no autograd)."""
+    if tp.size == 1:
+        return x
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return gather_along(x, -1, tp)
 
 
 def _slice_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

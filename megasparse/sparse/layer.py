@@ -10,18 +10,33 @@ like a temporary activation. Everything that persists — parameter, DeepSpeed's
 ZeRO partitions, gradients, optimizer state, reduced gradient bytes — is proportional to nnz.
 A topology update re-points slots in place (``index[s] = new position``, ``values[s] = 0``), so
 no tensor ever changes shape.
+
+Under tensor parallelism (``parallel="column"`` splits W by rows, ``"row"`` by columns, with
+megatron-core's semantics for the activations) each of the T ranks stores the contiguous 1/T of
+the slots, values[t nnz/T : (t + 1) nnz/T], and every rank keeps the whole index. A topology
+update is a decision about the whole layer, so a slot may point into any rank's shard of W,
+and the number of active weights in a shard changes from update to update while every rank's
+storage stays nnz/T. The forward and backward passes therefore gather the values over the
+tensor-parallel group (nnz numbers, like ZeRO-3 gathers a weight), scatter those that fall
+into this rank's shard, and return each slot's gradient to the rank that stores it (an
+all-reduce of nnz numbers, in which exactly one rank contributes each non-zero). The masks,
+losses and updates equal those of one rank.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megasparse.parallel.layers import WeightInit
+from megasparse.parallel.layers import WeightInit, sharded_parameter
+from megasparse.parallel.mappings import TensorParallel, all_reduce, copy_to_region, gather_along, reduce_from_region
 
 
 class _SparseLinearFunction(torch.autograd.Function):
-    """y = x W^T with W scattered from the compact values; W is rebuilt in backward, not saved."""
+    """y = x W^T with W (this rank's shard of it) scattered from the compact values; W is rebuilt in
+    backward, not saved."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, values: torch.Tensor, layer: "SparseLinear") -> torch.Tensor:
@@ -35,38 +50,102 @@ class _SparseLinearFunction(torch.autograd.Function):
         layer = ctx.layer
         weight = layer.scatter(values)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_out.reshape(-1, layer.out_features).t() @ x.reshape(-1, layer.in_features)
+        rows, cols = weight.shape
+        grad_weight = grad_out.reshape(-1, rows).t() @ x.reshape(-1, cols)
         if layer.dense_grad is not None:  # RigL: the dense gradient, collected at update steps only
             layer.dense_grad += grad_weight.float()
-        return grad_x, grad_weight.reshape(-1)[layer.index.long()], None
+        return grad_x, layer.slot_gradients(grad_weight), None
 
 
 class SparseLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, density: float, init: WeightInit) -> None:
+    def __init__(self, in_features: int, out_features: int, density: float, init: WeightInit,
+                 tp: TensorParallel = TensorParallel(), parallel: Literal["column", "row"] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.density = in_features, out_features, density
+        self.tp, self.parallel = tp, parallel if tp.size > 1 else None
         numel = in_features * out_features
         nnz = max(1, round(density * numel))
         positions = torch.randperm(numel)[:nnz].sort().values
         self.register_buffer("index", positions.to(torch.int32))
-        self.values = nn.Parameter(init.values(nnz, in_features))
+        self.values = sharded_parameter(init.values(nnz, in_features), tp, dim=0 if self.parallel else None)
         self.values.sparse_density = density  # its optimizer group (megasparse.optim.groups)
         self.dense_grad: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
-        return self.index.numel()  # the index is a buffer, whole on every rank (ZeRO-3 partitions the values)
+        """Active weights of the whole layer (the index is a buffer, whole on every rank)."""
+        return self.index.numel()
+
+    @property
+    def shard_shape(self) -> tuple[int, int]:
+        """The shape of this rank's part of W: (out / T, in) column-parallel, (out, in / T) row-parallel."""
+        split = self.tp.size if self.parallel else 1
+        if self.parallel == "column":
+            return self.out_features // split, self.in_features
+        return self.out_features, self.in_features // split
+
+    @property
+    def first_slot(self) -> int:
+        """The first of the slots this rank stores (``values`` holds slots [first_slot, first_slot + its size))."""
+        return self.tp.rank * (self.nnz // self.tp.size) if self.parallel else 0
+
+    def local_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Those of the layer's ``slots`` this rank stores, as positions in its ``values``."""
+        local = slots - self.first_slot
+        return local[(local >= 0) & (local < self.nnz // (self.tp.size if self.parallel else 1))]
+
+    def whole(self, values: torch.Tensor) -> torch.Tensor:
+        """The whole layer's compact values from every tensor-parallel rank's ``values``."""
+        return gather_along(values, 0, self.tp) if self.parallel else values
+
+    def whole_dense_grad(self) -> torch.Tensor | None:
+        """RigL's dense gradient of the whole W (joined from the shards)."""
+        if self.dense_grad is None or not self.parallel:
+            return self.dense_grad
+        return gather_along(self.dense_grad, 0 if self.parallel == "column" else 1, self.tp)
+
+    def _shard_positions(self) -> torch.Tensor:
+        """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a
+        spare element past its end) for a slot in another rank's shard. No host synchronisation."""
+        index = self.index.long()
+        if not self.parallel:
+            return index
+        rows, cols = self.shard_shape
+        row, col = index // self.in_features, index % self.in_features
+        if self.parallel == "column":
+            row = row - self.tp.rank * rows
+        else:
+            col = col - self.tp.rank * cols
+        inside = (row >= 0) & (row < rows) & (col >= 0) & (col < cols)
+        return torch.where(inside, row * cols + col, rows * cols)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """The dense (out, in) matrix with ``values`` at the active positions and zeros elsewhere."""
-        dense = values.new_zeros(self.out_features * self.in_features)
-        return dense.index_put((self.index.long(),), values).view(self.out_features, self.in_features)
+        """This rank's part of W (all of it on one rank) with ``values`` at the active positions, zeros elsewhere."""
+        rows, cols = self.shard_shape
+        spare = 1 if self.parallel else 0
+        dense = values.new_zeros(rows * cols + spare)
+        dense = dense.index_put((self._shard_positions(),), self.whole(values))
+        return dense[:rows * cols].view(rows, cols)
+
+    def slot_gradients(self, grad_weight: torch.Tensor) -> torch.Tensor:
+        """dL/dvalues for this rank's slots from dL/dW of its part of W."""
+        if not self.parallel:
+            return grad_weight.reshape(-1)[self.index.long()]
+        flat = F.pad(grad_weight.reshape(-1), (0, 1))  # the spare element: zero for other ranks' slots
+        grads = all_reduce(flat[self._shard_positions()].contiguous(), self.tp)
+        size = self.nnz // self.tp.size
+        return grads[self.first_slot:self.first_slot + size]
 
     def dense_weight(self) -> torch.Tensor:
+        """W as the forward pass uses it (this rank's shard of it under tensor parallelism)."""
         return self.scatter(self.values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SparseLinearFunction.apply(x, self.values, self)
+        if self.parallel == "column":
+            return _SparseLinearFunction.apply(copy_to_region(x, self.tp), self.values, self)
+        y = _SparseLinearFunction.apply(x, self.values, self)
+        return reduce_from_region(y, self.tp) if self.parallel == "row" else y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}"
+        split = f", {self.parallel}-parallel over {self.tp.size}" if self.parallel else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}{split}"

@@ -14,10 +14,12 @@ At update step t (t = Delta T, 2 Delta T, ... before ``stop_step``) with prune f
    with weight 0, and tells the optimizer to restart their state.
 
 The decision is a function of the whole layer (its values, index and, for RigL, the dense
-gradient summed over data-parallel ranks) and of a generator seeded by (seed, t, layer),
-all identical on every rank, so it comes out the same whatever the number of processes,
-the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values are gathered for the
-decision and the pruned slots zeroed in the gathered copy, which DeepSpeed partitions again.
+gradient summed over data-parallel ranks; all gathered over the tensor-parallel group when the
+layer is split) and of a generator seeded by (seed, t, layer),
+all identical on every rank, so it comes out the same whatever the number of processes, the
+tensor-parallel degree, the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values are
+gathered for the decision and the pruned slots zeroed in the gathered copy, which DeepSpeed
+partitions again.
 """
 from __future__ import annotations
 
@@ -70,11 +72,11 @@ class TopologyUpdater:
             layer.nnz < layer.in_features * layer.out_features for layer in self.layers)
 
     def before_step(self, step: int) -> None:
-        """Ahead of optimizer step ``step``: collect dense gradients if RigL updates after it."""
+        """Ahead of optimizer step ``step``: collect dense gradients (of this rank's part of W) if RigL
+        updates after it."""
         collect = self.cfg.regrow == "gradient" and self.due(step)
         for layer in self.layers:
-            layer.dense_grad = layer.values.new_zeros(layer.out_features, layer.in_features,
-                                                      dtype=torch.float32) if collect else None
+            layer.dense_grad = layer.values.new_zeros(layer.shard_shape, dtype=torch.float32) if collect else None
 
     @torch.no_grad()
     def update(self, step: int) -> dict[str, float]:
@@ -90,12 +92,13 @@ class TopologyUpdater:
             generator = torch.Generator(device=layer.index.device)
             generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
             with deepspeed.zero.GatheredParameters([layer.values], modifier_rank=0):  # a no-op below ZeRO-3
-                slots, positions = choose_regrowth(layer.values, layer.index, numel, count, generator,
-                                                   layer.dense_grad)
+                slots, positions = choose_regrowth(layer.whole(layer.values), layer.index, numel, count, generator,
+                                                   layer.whole_dense_grad())
                 layer.index[slots] = positions.to(torch.int32)
-                layer.values[slots] = 0
+                local = layer.local_slots(slots)  # those this tensor-parallel rank stores
+                layer.values[local] = 0
             for fragment in self.fragments(layer.values):
-                self.optimizer.regrow(fragment.owner, fragment.positions(slots), cohort)
+                self.optimizer.regrow(fragment.owner, fragment.positions(local), cohort)
             layer.dense_grad = None
             moved += count
         return {"zeta": zeta, "regrown": moved}
