@@ -13,6 +13,8 @@ import pytest
 import torch
 from helpers import final_weights, megasparse, tiny_config, train_losses, write_config
 
+from megasparse.checkpoint.files import open_checkpoint
+from megasparse.checkpoint.state import read_training_state
 from megasparse.train.metrics import read_metrics
 
 # Reference curve of the single-process fp32 run (llama-tiny on the test corpus, torch 2.13 CPU),
@@ -86,3 +88,15 @@ def test_no_evaluation_with_zero_eval_samples(dataset, tmp_path):
     cfg = tiny_config(dataset, tmp_path / "out", training={"eval_samples": 0, "eval_interval": 4})
     megasparse("train", str(write_config(tmp_path / "run.yaml", cfg))).check()
     assert read_metrics(tmp_path / "out", "eval") == [] and len(train_losses(tmp_path / "out")) == 8
+
+
+def test_tied_embeddings_at_zero3(runs, dataset, tmp_path):
+    """A head tied to the embedding is one parameter that ZeRO-3 partitions once: the run matches one process,
+    and the checkpoint reads back with the head equal to the embedding's fp32 masters."""
+    for zero, nproc in ((0, 1), (3, 2)):
+        cfg = tiny_config(dataset, tmp_path / f"z{zero}", parallel={"zero_stage": zero}, model={"tie_embeddings": True},
+                          training={"micro_batch_size": 8 // nproc})
+        megasparse("train", str(write_config(tmp_path / f"z{zero}.yaml", cfg)), nproc=nproc).check()
+    assert train_losses(tmp_path / "z3") == pytest.approx(train_losses(tmp_path / "z0"), rel=1e-5)
+    weights = read_training_state(open_checkpoint(tmp_path / "z3" / "checkpoints" / "step_00000008")).weights
+    assert torch.equal(weights["lm_head.weight"], weights["embed_tokens.weight"])
