@@ -56,10 +56,10 @@ import deepspeed.comm as dist
 import torch
 from torch import nn
 
+from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.optim.adamw import adamw_update
-from megasparse.errors import UserError
 from megasparse.optim.partitions import Fragment, full_shape
 from megasparse.parallel.mappings import TensorParallel
 
@@ -103,7 +103,7 @@ class Spectron(torch.optim.Optimizer):
     def attach(self, pairs: list[FactorPair], fragments: Callable[[nn.Parameter], list[Fragment]],
                dp_group=None, partitioned: bool = False) -> None:
         """Bind the factor pairs to this rank's optimizer tensors (after ``deepspeed.initialize``).
-        ``partitioned``: the factors are split over data-parallel ranks (ZeRO-1/2)."""
+        ``partitioned``: the factors are split over data-parallel ranks (ZeRO-1/2/3)."""
         self.pairs, self.fragments, self.dp_group, self.partitioned = pairs, fragments, dp_group, partitioned
         owners = {id(f.owner) for pair in pairs for param in (pair.layer.A, pair.layer.B) for f in fragments(param)}
         if partitioned and len(owners) > 1:  # ZeRO-0 holds each factor itself; ZeRO-1/2 one flat tensor per group

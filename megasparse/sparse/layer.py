@@ -48,13 +48,14 @@ class _SparseLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, values = ctx.saved_tensors
         layer = ctx.layer
-        weight = layer.scatter(values)
+        positions = layer.shard_positions()
+        weight = layer.scatter(values, positions)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         rows, cols = weight.shape
         grad_weight = grad_out.reshape(-1, rows).t() @ x.reshape(-1, cols)
         if layer.dense_grad is not None:  # RigL: the dense gradient, collected at update steps only
             layer.dense_grad += grad_weight.float()
-        return grad_x, layer.slot_gradients(grad_weight), None
+        return grad_x, layer.slot_gradients(grad_weight, positions), None
 
 
 class SparseLinear(nn.Module):
@@ -85,14 +86,19 @@ class SparseLinear(nn.Module):
         return self.out_features, self.in_features // split
 
     @property
+    def stored_slots(self) -> int:
+        """How many of the layer's slots this rank stores (all of them on one rank)."""
+        return self.nnz // self.tp.size if self.parallel else self.nnz
+
+    @property
     def first_slot(self) -> int:
-        """The first of the slots this rank stores (``values`` holds slots [first_slot, first_slot + its size))."""
-        return self.tp.rank * (self.nnz // self.tp.size) if self.parallel else 0
+        """The first of the slots this rank stores (``values`` holds slots [first_slot, first_slot + stored_slots))."""
+        return self.tp.rank * self.stored_slots if self.parallel else 0
 
     def local_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Those of the layer's ``slots`` this rank stores, as positions in its ``values``."""
         local = slots - self.first_slot
-        return local[(local >= 0) & (local < self.nnz // (self.tp.size if self.parallel else 1))]
+        return local[(local >= 0) & (local < self.stored_slots)]
 
     def whole(self, values: torch.Tensor) -> torch.Tensor:
         """The whole layer's compact values from every tensor-parallel rank's ``values``."""
@@ -104,7 +110,7 @@ class SparseLinear(nn.Module):
             return self.dense_grad
         return gather_along(self.dense_grad, 0 if self.parallel == "column" else 1, self.tp)
 
-    def _shard_positions(self) -> torch.Tensor:
+    def shard_positions(self) -> torch.Tensor:
         """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a
         spare element past its end) for a slot in another rank's shard. No host synchronisation."""
         index = self.index.long()
@@ -119,22 +125,23 @@ class SparseLinear(nn.Module):
         inside = (row >= 0) & (row < rows) & (col >= 0) & (col < cols)
         return torch.where(inside, row * cols + col, rows * cols)
 
-    def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's part of W (all of it on one rank) with ``values`` at the active positions, zeros elsewhere."""
+    def scatter(self, values: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of W (all of it on one rank) with ``values`` at the active positions, zeros elsewhere
+        (``positions``: :meth:`shard_positions`, when the caller has them)."""
         rows, cols = self.shard_shape
         spare = 1 if self.parallel else 0
         dense = values.new_zeros(rows * cols + spare)
-        dense = dense.index_put((self._shard_positions(),), self.whole(values))
+        positions = self.shard_positions() if positions is None else positions
+        dense = dense.index_put((positions,), self.whole(values))
         return dense[:rows * cols].view(rows, cols)
 
-    def slot_gradients(self, grad_weight: torch.Tensor) -> torch.Tensor:
-        """dL/dvalues for this rank's slots from dL/dW of its part of W."""
+    def slot_gradients(self, grad_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """dL/dvalues for this rank's slots from dL/dW of its part of W (``positions``: :meth:`shard_positions`)."""
         if not self.parallel:
-            return grad_weight.reshape(-1)[self.index.long()]
+            return grad_weight.reshape(-1)[positions]
         flat = F.pad(grad_weight.reshape(-1), (0, 1))  # the spare element: zero for other ranks' slots
-        grads = all_reduce(flat[self._shard_positions()].contiguous(), self.tp)
-        size = self.nnz // self.tp.size
-        return grads[self.first_slot:self.first_slot + size]
+        grads = all_reduce(flat[positions].contiguous(), self.tp)
+        return grads[self.first_slot:self.first_slot + self.stored_slots]
 
     def dense_weight(self) -> torch.Tensor:
         """W as the forward pass uses it (this rank's shard of it under tensor parallelism)."""
