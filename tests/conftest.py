@@ -21,8 +21,13 @@ NO_PROCESS_GROUP = {"test_config", "test_data", "test_docs", "test_execution", "
                     "test_schedule", "test_smet", "test_spectron", "test_structure", "test_versions"}
 
 
+# The longest file, started first after those, so that it does not end the run alone on one worker.
+LONGEST = "test_launchers"
+
+
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.module.__name__ not in NO_PROCESS_GROUP)  # stable: file order kept
+    # stable: file order kept otherwise (pytest-xdist hands out whole files in this order)
+    items.sort(key=lambda item: (item.module.__name__ not in NO_PROCESS_GROUP, item.module.__name__ != LONGEST))
     if any(item.module.__name__ not in NO_PROCESS_GROUP for item in items):
         fork_server()  # its start-up runs beside the first tests
 

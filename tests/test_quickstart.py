@@ -50,17 +50,3 @@ def test_local_launcher_script(workdir):
     subprocess.run(command, cwd=workdir, check=True, capture_output=True, timeout=600)
     assert train_losses(workdir / "runs" / "local") == pytest.approx(train_losses(workdir / "runs" / "quickstart"),
                                                                      rel=1e-5)
-
-
-@pytest.mark.parametrize("name, kind", [("smet-paper-tiny", "smet"), ("spectron-paper-tiny", "spectron")])
-def test_paper_recipe_on_a_cpu(workdir, name, kind):
-    """The CPU variant of each paper config trains as shipped and learns (its recipe: test_config): from
-    ln(8000) = 9.0 at the start, the validation loss falls below 6.5 by step 100 and on by step 200."""
-    megasparse("train", name, cwd=workdir).check()
-    out = workdir / "runs" / name
-    evals = [r["val_loss"] for r in read_metrics(out, "eval")]
-    assert len(train_losses(out)) == 20 and evals[0] < 6.5 and evals[-1] < evals[0] - 0.2, evals
-    if kind == "smet":
-        assert len(read_metrics(out, "topology")) == 7  # every 25 steps before the last
-    else:
-        assert all(r["spectral_norm_max"] > 0 for r in read_metrics(out))
