@@ -178,3 +178,45 @@ def markdown_table(headers: list[str], align: str, rows: list[list[str]]) -> str
     """A markdown table; ``align`` has one letter per column, l (left) or r (right)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+class HostSyncs:
+    """Counts, per origin, what makes the host wait for an accelerator: a value read back (``item``, ``tolist``,
+    ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``) and a tensor made from host data (``tensor``,
+    ``as_tensor``; a step then copies it to the device from pageable memory, which waits for the queue).
+    On CPU these cost nothing, but they are the same calls. The origin is the innermost frame in megasparse
+    or DeepSpeed ("torch" when neither is on the stack)."""
+
+    def __init__(self) -> None:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        self.counts: dict[str, int] = {}
+        waits = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+                 torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy, torch.tensor, torch.as_tensor}
+        counts = self.counts
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in waits:
+                    origin = _origin()
+                    counts[origin] = counts.get(origin, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def take(self) -> dict[str, int]:
+        """The counts so far, reset."""
+        counts = dict(self.counts)
+        self.counts.clear()
+        return counts
+
+
+def _origin() -> str:
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        for package in ("megasparse", "deepspeed"):
+            if f"/{package}/" in frame.filename:
+                return package
+    return "torch"

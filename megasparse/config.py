@@ -260,6 +260,8 @@ class TrainingConfig:
     # input, rerun its forward; selective: keep the matrix products' and attention's outputs, recompute the rest
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each block (inductor); the first steps take the compilation time
+    # deterministic kernels only (megasparse.train.determinism): the same numbers run to run on CUDA, slower
+    deterministic: bool = False
     # one device's peak TFLOPS for the MFU metric; 0: the dense bf16 peak of a known GPU (megasparse.train.throughput)
     peak_tflops: float = number(0.0, ge=0)
 

@@ -7,7 +7,11 @@ step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op:
 - ``stop@K:R``: rank R stops itself (SIGSTOP, a hang) as step K begins;
 - ``slow@K-L:R``: rank R says so on standard error and sleeps 2 s as each of steps K to L begins (a
   step long enough for a test to signal the process while it runs);
-- ``nan_loss@K:R``: rank R's loss at step K becomes NaN (the numerical guard must skip the step);
+- ``nan_loss@K:R``: rank R's loss at step K becomes NaN (the step decision must skip the step);
+- ``nan_grad@K:R``: rank R's gradient of the final norm's gain becomes NaN in step K's backward: one
+  parameter of one group (the step decision must skip the whole step, every group);
+- ``skew_index@K:R``: rank R's first sparse layer's first two slots trade positions after the topology
+  update of step K, as a non-deterministic sort could do (the ranks must notice that they disagree);
 - ``kill_during_save@K:R``: rank R kills itself (SIGKILL) after writing its first file of the
   step-K checkpoint, before the checkpoint is complete;
 - ``kill_before_publish@K``: rank 0 kills itself after every file of the step-K checkpoint is
@@ -19,10 +23,12 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
+from torch import nn
 
 _STEP = re.compile(r"step_(\d{8})")
 
@@ -65,6 +71,17 @@ def at_step_start(step: int) -> None:
 
 def poison_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
     return loss * float("nan") if _due("nan_loss", step) else loss
+
+
+def poison_gradient(model: nn.Module, step: Callable[[], int]) -> None:
+    """Make the final norm's gain's gradient NaN during the step ``step()`` says is running (``nan_grad``)."""
+    if "nan_grad" in _faults():
+        model.norm.weight.register_hook(lambda grad: grad * float("nan") if _due("nan_grad", step()) else grad)
+
+
+def skew_index(index: torch.Tensor, step: int) -> None:
+    if _due("skew_index", step):
+        index[:2] = index[:2].flip(0)  # two slots trade positions: the same support, different weights at each
 
 
 def after_checkpoint_file(path: str | Path) -> None:

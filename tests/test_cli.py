@@ -56,14 +56,14 @@ def test_incomplete_launcher_environment(tmp_path, dataset):
 
 def test_global_batch_not_divisible_by_the_processes(tmp_path, dataset):
     path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", training={"micro_batch_size": 4}))
-    result = megasparse("train", str(path), env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+    result = megasparse("train", str(path), env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                                                  "MASTER_PORT": "1", **MPICH}, launcher="none")
     one_error_line(result, "training.global_batch_size: 8 is not divisible by micro_batch_size x data-parallel size = 4 x 3")
 
 
 def test_tensor_parallel_degree_not_dividing_the_processes(tmp_path, dataset):
     path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", parallel={"tensor_parallel": 2}))
-    result = megasparse("train", str(path), env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+    result = megasparse("train", str(path), env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                                                  "MASTER_PORT": "1", **MPICH}, launcher="none")
     one_error_line(result, "parallel.tensor_parallel: 2 does not divide the 3 processes")
 

@@ -5,6 +5,7 @@ import pytest
 
 from megasparse.errors import UserError
 from megasparse.launch.commands import check_allocation, hostfile_text, parse_hosts, read_hostfile
+from megasparse.parallel.distributed import device_index
 from megasparse.parallel.launch_env import discover_launch_env, tasks_on_node
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -102,7 +103,29 @@ def test_requests_beyond_the_allocation_are_refused():
     ({"PMI_RANK": "0"}, "PMI_SIZE is not set"),
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, "SLURM_NODEID=2 is outside"),
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "two"}, "cannot read SLURM_STEP_TASKS_PER_NODE"),
+    # several ranks and no local rank: every rank of a host would take device 0
+    ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, "LOCAL_RANK is not set, and each of the 8 ranks needs"),
+    ({k: v for k, v in SRUN.items() if k != "SLURM_LOCALID"}, "SLURM_LOCALID is not set, and each of the 8 ranks"),
 ])
 def test_broken_environments_are_named(env, message):
     with pytest.raises(UserError, match=message):
         discover_launch_env(env)
+
+
+def test_a_lone_process_needs_no_local_rank():
+    alone = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    assert discover_launch_env(alone).local_rank == 0
+
+
+@pytest.mark.parametrize("local_rank,local_world,visible,device", [
+    (3, 4, 8, 3),  # every rank sees the host's 8 devices (torchrun, deepspeed, mpirun): its local rank's
+    (3, 4, 4, 3),
+    (3, 4, 1, 0),  # srun --gpus-per-task=1 or --gpu-bind: each rank sees its one device
+    (3, 4, 2, 1),  # two devices per task: its local rank's place among them
+    (0, 1, 1, 0),
+    (1, 2, 0, None),  # no accelerator (CPU): no device to set
+])
+def test_each_rank_takes_a_device_it_can_see(local_rank, local_world, visible, device):
+    assert device_index(local_rank, local_world, visible) == device
+    if device is not None:
+        assert 0 <= device < visible

@@ -7,6 +7,7 @@ bit for bit, as the uninterrupted run.
 """
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -100,3 +101,39 @@ def test_tied_embeddings_at_zero3(runs, dataset, tmp_path):
     assert train_losses(tmp_path / "z3") == pytest.approx(train_losses(tmp_path / "z0"), rel=1e-5)
     weights = read_training_state(open_checkpoint(tmp_path / "z3" / "checkpoints" / "step_00000008")).weights
     assert torch.equal(weights["lm_head.weight"], weights["embed_tokens.weight"])
+
+
+def test_a_random_state_saved_on_another_accelerator_is_left_out():
+    """A checkpoint written on a GPU resumes on a CPU (and the reverse): torch's CPU generator is restored,
+    the other accelerator's generator state is left out and named; a checkpoint from before the name was
+    recorded restores both, as written on this accelerator."""
+    from megasparse.train.checkpoint import rng_state, set_rng_state
+
+    saved = rng_state()
+    assert saved["accelerator_name"] == "cpu"
+    expected = torch.rand(4)
+    from_gpu = {"torch": saved["torch"], "accelerator": torch.zeros(16, dtype=torch.uint8), "accelerator_name": "cuda"}
+    assert set_rng_state(from_gpu) == "cuda"  # a CUDA generator's 16 bytes would not load into the CPU's
+    assert torch.equal(torch.rand(4), expected)
+    legacy = {"torch": torch.get_rng_state(), "accelerator": saved["torch"]}
+    assert set_rng_state(legacy) is None and torch.equal(torch.rand(4), expected)
+
+
+def test_deterministic_mode(runs, dataset, tmp_path, monkeypatch):
+    """training.deterministic asks torch for deterministic kernels and fixes cuBLAS's workspace (what it
+    changes shows on CUDA only); on CPU, where every kernel already is, a run with it equals one without."""
+    from megasparse.train.determinism import make_deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # and put back as it was afterwards
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        make_deterministic()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before)
+        torch.backends.cudnn.deterministic = False
+    cfg = tiny_config(dataset, tmp_path / "out", parallel={"zero_stage": 2}, training={"micro_batch_size": 4,
+                                                                                       "deterministic": True})
+    megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), nproc=2).check()
+    assert train_losses(tmp_path / "out") == train_losses(runs(2, 2, 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from megasparse.data.shards import TokenWindows
 
@@ -30,16 +31,18 @@ class PretrainingBatches:
     def accumulation_steps(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's (inputs, targets) micro-batches for the next optimizer step."""
-        micro = []
-        for m in range(self.accumulation_steps):
-            start = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.micro_batch_size
-            rows = np.stack([self.windows[self._window_at(p)] for p in range(start, start + self.micro_batch_size)])
-            tokens = torch.from_numpy(rows)
-            micro.append((tokens[:, :-1], tokens[:, 1:]))
+    def next_tokens(self) -> torch.Tensor:
+        """This rank's windows for the next optimizer step, one int64 tensor of shape (accumulation steps,
+        micro batch, seq_len + 1): a single copy takes the whole step to the device."""
+        positions = [self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.micro_batch_size + i
+                     for m in range(self.accumulation_steps) for i in range(self.micro_batch_size)]
+        rows = np.stack([self.windows[self._window_at(p)] for p in positions])
         self.consumed_samples += self.global_batch_size
-        return micro
+        return torch.from_numpy(rows).view(self.accumulation_steps, self.micro_batch_size, -1)
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) micro-batches for the next optimizer step, on the host."""
+        return [inputs_and_targets(tokens) for tokens in self.next_tokens()]
 
     def _window_at(self, position: int) -> int:
         epoch, offset = divmod(position, len(self.windows))
@@ -55,6 +58,20 @@ class PretrainingBatches:
         self.consumed_samples = int(state["consumed_samples"])
 
 
+def inputs_and_targets(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 tokens -> the inputs (all but the last) and the targets (all but the first)."""
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tokens`` on ``device`` in one copy: from page-locked host memory and ``non_blocking``, so that on a
+    GPU the copy runs on the stream while the host goes on queueing work (a copy from pageable memory
+    waits for it). Nothing is copied where the device is the host."""
+    if tokens.device == torch.device(device):
+        return tokens
+    return get_accelerator().pin_memory(tokens).to(device, non_blocking=True)
+
+
 def evaluation_batches(windows: TokenWindows, samples: int, micro_batch_size: int, dp_rank: int,
                        dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the first ``samples`` validation windows, in micro-batches.
@@ -65,6 +82,5 @@ def evaluation_batches(windows: TokenWindows, samples: int, micro_batch_size: in
     mine = range(dp_rank, min(samples, len(windows)), dp_size)
     batches = []
     for i in range(0, len(mine), micro_batch_size):
-        tokens = torch.from_numpy(np.stack([windows[j] for j in mine[i:i + micro_batch_size]]))
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
+        batches.append(inputs_and_targets(torch.from_numpy(np.stack([windows[j] for j in mine[i:i + micro_batch_size]]))))
     return batches

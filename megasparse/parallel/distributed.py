@@ -23,9 +23,24 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1; other launchers leave every rank all cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     accelerator = get_accelerator()
-    accelerator.set_device(launch.local_rank)
+    index = device_index(launch.local_rank, launch.local_world_size, accelerator.device_count())
+    if index is not None:
+        accelerator.set_device(index)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                timeout=timedelta(minutes=timeout_minutes), verbose=False)
+
+
+def device_index(local_rank: int, local_world_size: int, visible: int) -> int | None:
+    """The accelerator this rank drives, among the ``visible`` ones the process sees (None: it sees none).
+
+    When every rank of a host sees all of its devices (what torchrun, deepspeed and mpirun leave), rank
+    ``local_rank`` takes device ``local_rank``. When a host's ranks see fewer devices than there are ranks,
+    the devices are bound per task (``srun --gpus-per-task``, ``--gpu-bind``, a ``CUDA_VISIBLE_DEVICES``
+    per rank): each rank sees its own, and takes ``local_rank mod visible`` of them (its only one when it
+    sees one); indexing by local rank there would name a device it cannot see."""
+    if visible <= 0:
+        return None
+    return local_rank if visible >= local_world_size else local_rank % visible
 
 
 def shutdown_distributed() -> None:

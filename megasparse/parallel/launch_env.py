@@ -72,7 +72,7 @@ def discover_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             raise UserError(f"incomplete launcher environment: RANK/WORLD_SIZE set but {', '.join(missing)} missing")
         world = _int(env, "WORLD_SIZE")
         local_world = _int(env, "LOCAL_WORLD_SIZE", _int(env, "LOCAL_SIZE", world))
-        return _checked(LaunchEnv("env", _int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0), local_world,
+        return _checked(LaunchEnv("env", _int(env, "RANK"), world, _local_rank(env, "LOCAL_RANK", world), local_world,
                                   env["MASTER_ADDR"], _int(env, "MASTER_PORT")))
     for launcher, (rank_var, size_var, local_var, local_size_var) in _MPI_VARS.items():
         if rank_var in env:
@@ -82,8 +82,9 @@ def discover_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             return _checked(LaunchEnv(launcher, rank, world, _int(env, local_var, rank), local_world, addr,
                                       _int(env, "MASTER_PORT", DEFAULT_PORT)))
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        world = _int(env, "SLURM_STEP_NUM_TASKS")
         return _checked(LaunchEnv(
-            "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_LOCALID", 0),
+            "slurm", _int(env, "SLURM_PROCID"), world, _local_rank(env, "SLURM_LOCALID", world),
             tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", "1"), _int(env, "SLURM_NODEID", 0)),
             env.get("MASTER_ADDR") or slurm_hostnames(env.get("SLURM_STEP_NODELIST", "localhost"))[0],
             _int(env, "MASTER_PORT", slurm_port(_int(env, "SLURM_JOB_ID", 0)))))
@@ -98,6 +99,16 @@ def _checked(launch: LaunchEnv) -> LaunchEnv:
         raise UserError(f"launcher environment: local rank {launch.local_rank} is outside local size "
                         f"{launch.local_world_size}")
     return launch
+
+
+def _local_rank(env: Mapping[str, str], name: str, world_size: int) -> int:
+    """A rank's place among the ranks of its host, by which it picks its accelerator: 0 for a lone process,
+    required of a launcher that starts several (a fallback would put every rank of a host on device 0)."""
+    if name not in env and world_size > 1:
+        raise UserError(f"launcher environment: {name} is not set, and each of the {world_size} ranks needs its "
+                        "local rank to choose its device; set it, or start the ranks with torchrun, deepspeed, "
+                        "srun or mpirun")
+    return _int(env, name, 0)
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:

@@ -54,7 +54,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         rows, cols = weight.shape
         grad_weight = grad_out.reshape(-1, rows).t() @ x.reshape(-1, cols)
         if layer.dense_grad is not None:  # RigL: the dense gradient, collected at update steps only
-            layer.dense_grad += grad_weight.float()
+            layer.dense_grad.add_(grad_weight)  # in place, in fp32: no converted copy of a bf16 dL/dW
         return grad_x, layer.slot_gradients(grad_weight, positions), None
 
 
@@ -112,8 +112,9 @@ class SparseLinear(nn.Module):
 
     def shard_positions(self) -> torch.Tensor:
         """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a
-        spare element past its end) for a slot in another rank's shard. No host synchronisation."""
-        index = self.index.long()
+        spare element past its end) for a slot in another rank's shard; int32 like the index (no int64 copy
+        of it per call; a layer's W has fewer than 2^31 elements). No host synchronisation."""
+        index = self.index
         if not self.parallel:
             return index
         rows, cols = self.shard_shape
@@ -132,7 +133,7 @@ class SparseLinear(nn.Module):
         spare = 1 if self.parallel else 0
         dense = values.new_zeros(rows * cols + spare)
         positions = self.shard_positions() if positions is None else positions
-        dense = dense.index_put((positions,), self.whole(values))
+        dense[positions] = self.whole(values)  # in place: W is this zeroed buffer, not a copy of it
         return dense[:rows * cols].view(rows, cols)
 
     def slot_gradients(self, grad_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ class SMETAdam(torch.optim.Optimizer):
         self.slot_warmup_steps = slot_warmup_steps
         self.per_slot_steps = per_slot_steps
         self.warmup_form = warmup_form
+        self._births: tuple[tuple[float, ...], torch.Tensor] | None = None  # the birth table, and a device copy
+        self._tables: tuple[tuple, tuple[torch.Tensor, ...]] | None = None  # this step's cohort tables, and their key
 
     # ------------------------------------------------------------------ the step
 
@@ -100,8 +102,25 @@ class SMETAdam(torch.optim.Optimizer):
 
     def _cohort_tables(self, state: dict, lr: float, beta1: float,
                        beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per cohort c with step count t_c: lr_c, lr_c / (1 - b1^t_c), 1 / sqrt(1 - b2^t_c) and f_c (see above)."""
-        ages = (state["step"] - torch.tensor(state["birth"], dtype=torch.float64)).clamp(min=1)
+        """Per cohort c with step count t_c: lr_c, lr_c / (1 - b1^t_c), 1 / sqrt(1 - b2^t_c) and f_c (see above).
+
+        Computed on the device, once per step and group for all its tensors, from a device copy of the
+        birth table that is made again only when the table changes (a cohort opens or matures, a checkpoint
+        loads): no host-to-device copy in a step, which on a GPU would wait for the queued work to finish."""
+        device = state["exp_avg"].device
+        key = (device, state["step"], lr, beta1, beta2, tuple(state["birth"]))
+        if self._tables is None or self._tables[0] != key:
+            self._tables = key, self._tables_on_device(self._birth_on(device, key[-1]), state["step"], lr, beta1, beta2)
+        return self._tables[1]
+
+    def _birth_on(self, device: torch.device, birth: tuple[float, ...]) -> torch.Tensor:
+        if self._births is None or self._births[0] != birth or self._births[1].device != device:
+            self._births = birth, torch.tensor(birth, dtype=torch.float64).to(device)
+        return self._births[1]
+
+    def _tables_on_device(self, birth: torch.Tensor, step: int, lr: float, beta1: float,
+                          beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ages = (step - birth).clamp(min=1)
         moment = self.warmup_form == "moment"
         if moment:
             ages[1:] += 1  # a regrown slot's count restarts at 1 when it is regrown (cohort 0 counts global steps)
@@ -111,11 +130,10 @@ class SMETAdam(torch.optim.Optimizer):
         else:
             warm[0] = 1.0  # cohort 0 holds the initial weights, which were never regrown: no slot warm-up
             lr_c, damp_c = lr * warm, torch.ones_like(ages)
-        rate_c = lr_c / (1 - beta1**ages)
-        inv_sqrt_bc2_c = (1 - beta2**ages).rsqrt()
+        rate_c = lr_c / (1 - torch.pow(beta1, ages))
+        inv_sqrt_bc2_c = (1 - torch.pow(beta2, ages)).rsqrt()
         lr_c[MATURE], rate_c[MATURE], inv_sqrt_bc2_c[MATURE], damp_c[MATURE] = lr, lr, 1.0, 1.0
-        device = state["exp_avg"].device
-        return tuple(table.float().to(device) for table in (lr_c, rate_c, inv_sqrt_bc2_c, damp_c))
+        return tuple(table.float() for table in (lr_c, rate_c, inv_sqrt_bc2_c, damp_c))
 
     def _state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]

@@ -20,6 +20,13 @@ all identical on every rank, so it comes out the same whatever the number of pro
 tensor-parallel degree, the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values are
 gathered for the decision and the pruned slots zeroed in the gathered copy, which DeepSpeed
 partitions again.
+
+Every rank holds every layer's whole index, and DeepSpeed broadcasts parameters at start, not
+buffers: the indices agree only because every rank takes the same decision. On CUDA, kernels that are
+not deterministic can make nearly equal magnitudes sort differently on different ranks, so after each
+update the ranks compare a checksum of every layer's index (one all-reduce of the checksums and their
+negatives, max: the largest and smallest of each) and, where they differ, stop with one line naming
+the layers instead of training on different masks.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ import torch
 from torch import nn
 
 from megasparse.config import SparseConfig
+from megasparse.errors import UserError
+from megasparse.faults import skew_index
 from megasparse.optim.partitions import Fragment
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import SMETAdam
@@ -63,7 +72,7 @@ class TopologyUpdater:
                  fragments: Callable[[nn.Parameter], list[Fragment]], dp_group=None) -> None:
         self.cfg, self.total_steps, self.seed = cfg, total_steps, seed
         self.optimizer, self.fragments, self.dp_group = optimizer, fragments, dp_group
-        self.layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+        self.names, self.layers = zip(*((name, m) for name, m in model.named_modules() if isinstance(m, SparseLinear)))
 
     def due(self, step: int) -> bool:
         """Whether a topology update follows optimizer step ``step`` (1-based)."""
@@ -101,4 +110,28 @@ class TopologyUpdater:
                 self.optimizer.regrow(fragment.owner, fragment.positions(local), cohort)
             layer.dense_grad = None
             moved += count
+        skew_index(self.layers[0].index, step)
+        self._check_ranks_agree(step)
         return {"zeta": zeta, "regrown": moved}
+
+    def _check_ranks_agree(self, step: int) -> None:
+        """Stop on every rank, naming the layers, when the ranks' indices differ after the update at ``step``."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        sums = torch.stack([index_checksum(layer.index) for layer in self.layers])
+        extremes = torch.cat([sums, -sums])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        highest, lowest = extremes[:len(sums)], -extremes[len(sums):]
+        differ = [name for name, same in zip(self.names, (highest == lowest).tolist()) if not same]
+        if differ:
+            raise UserError(f"step {step}: after the topology update the ranks hold different sparse masks in "
+                            f"{len(differ)} layer(s) ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}); "
+                            "the ranks computed different decisions, as kernels that are not deterministic can: "
+                            "resume from the last checkpoint with training.deterministic: true")
+
+
+def index_checksum(index: torch.Tensor) -> torch.Tensor:
+    """sum_i index[i] * (i mod 1000003 + 1) in int64 (wrapping): changes when any position, or the order of
+    positions, changes."""
+    weights = torch.arange(index.numel(), device=index.device, dtype=torch.int64).remainder_(1_000_003).add_(1)
+    return (index.long() * weights).sum()

@@ -81,10 +81,22 @@ def load_checkpoint(engine, client_optimizer, tag_dir: Path, cfg: Config, tp: Te
     return client_state["megasparse"]
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    return {"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()}
+def rng_state() -> dict[str, Any]:
+    """torch's CPU generator and the accelerator's, with the accelerator's name (``cuda``, ``cpu``, ...)."""
+    accelerator = get_accelerator()
+    return {"torch": torch.get_rng_state(), "accelerator": accelerator.get_rng_state(),
+            "accelerator_name": accelerator.device_name()}
 
 
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def set_rng_state(state: dict[str, Any]) -> str | None:
+    """Restore what applies here: torch's CPU generator always, the accelerator's only on the kind of
+    accelerator that saved it (a CUDA generator's state means nothing to a CPU run, and the reverse).
+    Returns the name of the accelerator whose state was left out, or None. A checkpoint from before the
+    name was recorded was written on this kind of accelerator."""
     torch.set_rng_state(state["torch"])
-    get_accelerator().set_rng_state(state["accelerator"])
+    accelerator = get_accelerator()
+    saved_on = state.get("accelerator_name", accelerator.device_name())
+    if saved_on != accelerator.device_name():
+        return saved_on
+    accelerator.set_rng_state(state["accelerator"])
+    return None

@@ -2,8 +2,9 @@
 
 Slurm sends SIGUSR1 a chosen time before a job's limit (``--signal=USR1@SECONDS``) and SIGTERM when
 it ends or preempts the job, then SIGKILL after ``KillWait``. The handler only records the
-signal. After every optimizer step all ranks agree by one all-reduce (max) of a flag, so every
-rank stops after the same step even when only some of them were signalled; the trainer then saves a
+signal. In every optimizer step all ranks agree on it within the step decision's one all-reduce
+(train/guard.py), so every rank stops after the same step even when only some of them were signalled
+(a signal that arrives after the step's backward counts from the next step); the trainer then saves a
 checkpoint (unless it just did), writes ``interrupted.json`` into its output directory and returns,
 and the process exits 0. A job script that finds the marker requeues itself and resumes with
 ``--resume auto``; the next run removes the marker. A second SIGTERM ends the process at once,
@@ -17,19 +18,15 @@ import signal
 import threading
 from pathlib import Path
 
-import deepspeed.comm as dist
-import torch
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MARKER = "interrupted.json"
 
 
 class StopRequests:
-    """Records stop signals from ``install()`` until ``uninstall()``; ``agreed()`` asks all ranks."""
+    """Records stop signals from ``install()`` until ``uninstall()`` in ``received``."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         self.received: signal.Signals | None = None
-        self._flag = torch.zeros((), device=device)
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -49,12 +46,6 @@ class StopRequests:
         # os.write: safe inside a handler (print could re-enter a buffered write of the main thread)
         os.write(2, f"[megasparse] {self.received.name} received: saving a checkpoint after this step "
                     "(a second SIGTERM exits at once)\n".encode())
-
-    def agreed(self) -> bool:
-        """True on every rank when any rank has received a stop signal (a collective: call on all ranks)."""
-        self._flag.fill_(0.0 if self.received is None else 1.0)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        return bool(self._flag.item())
 
 
 def write_marker(output_dir: Path, step: int, signal_name: str, checkpoint: Path) -> None:

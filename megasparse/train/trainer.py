@@ -26,12 +26,12 @@ from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, ta
 from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import Config, config_from_dict
 from megasparse.data.corpus import describe_sources
-from megasparse.data.loader import PretrainingBatches, evaluation_batches
+from megasparse.data.loader import PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
-from megasparse.faults import at_step_start, poison_loss
+from megasparse.faults import at_step_start, poison_gradient, poison_loss
 from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
@@ -42,11 +42,12 @@ from megasparse.parallel.distributed import gradient_norm, init_distributed, is_
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.mappings import TensorParallel
-from megasparse.parallel.watchdog import Heartbeat
+from megasparse.parallel.watchdog import Heartbeat, stall_timeout
 from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from megasparse.train.deepspeed_config import deepspeed_config
-from megasparse.train.guard import NonFiniteGuard
+from megasparse.train.determinism import make_deterministic
+from megasparse.train.guard import StepDecision
 from megasparse.train.metrics import MetricsLogger, WandbRun
 from megasparse.train.optim import build_optimizer
 from megasparse.train.preemption import StopRequests, clear_marker, write_marker
@@ -56,6 +57,8 @@ from megasparse.train.throughput import device_peak_tflops, throughput
 
 def train(cfg: Config, resume: str | None = None) -> "Trainer":
     """Run (or continue, with ``resume``) the training described by ``cfg``; returns the finished trainer."""
+    if cfg.training.deterministic:
+        make_deterministic()  # before any device work: cuBLAS reads its workspace setting when it starts
     parallel = start_processes(cfg, resume)
     world = dist.get_world_size()
     heartbeat = Heartbeat(dist.get_rank(), world, cfg.parallel.heartbeat_seconds,
@@ -94,6 +97,8 @@ def preflight(cfg: Config, world_size: int, resume: str | None = None) -> None:
     resumes = resume is not None and (resume != "auto" or bool(complete_checkpoints(cfg.checkpoint_dir)))
     cfg.check_paths(key for key, _ in cfg.keys() if not (resumes and key == "checkpoint.init_from"))
     layer_factory(cfg)
+    if world_size > 1 and cfg.parallel.heartbeat_seconds > 0:
+        stall_timeout(cfg.parallel.timeout_minutes * 60, cfg.parallel.heartbeat_seconds)
     if cfg.logging.wandb:
         try:
             import wandb  # noqa: F401
@@ -175,13 +180,16 @@ class Trainer:
         self.ds_config = deepspeed_config(cfg, self.dp_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
         self.optimizer = build_optimizer(cfg, model)
-        self.guard = NonFiniteGuard(self.optimizer)  # before the scheduler wraps the optimizer's step
+        poison_gradient(model, lambda: self.step + 1)  # before the decision's hooks, which must see it
+        # before the scheduler wraps the optimizer's step
+        self.decision = StepDecision(model, self.optimizer, get_accelerator().current_device_name())
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, mpu=parallel,
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule), config=self.ds_config,
             dist_init_required=False,
         )
         self.device = self.engine.device
+        self.decision.reports_to(self.engine.optimizer)
         if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
             # One data-parallel rank has no gradients to reduce, but DeepSpeed's ZeRO-0 path would still copy
             # every gradient into flat buckets, all-reduce them over that one rank and copy them back.
@@ -224,7 +232,10 @@ class Trainer:
         meta = CheckpointMeta.read(tag_dir)
         state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
         self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        other = set_rng_state(state["rng"])
+        if other:
+            _log(f"warning: {tag_dir} was written on {other}: its {other} random state does not apply to "
+                 f"{get_accelerator().device_name()} and is left out (the run continues, not bit-identical)")
         resharded = "" if same_layout(meta, self.cfg, self.dp_size) else (
             f" (resharded from {meta.tensor_parallel_size} tensor-parallel x {meta.data_parallel_size} data-parallel "
             f"ranks, ZeRO-{config_from_dict(meta.config).parallel.zero_stage}, {meta.format} format)")
@@ -233,7 +244,7 @@ class Trainer:
 
     def run(self) -> None:
         """Train to ``training.steps``, or until a stop signal (see preemption.py) ends the run early."""
-        stop = StopRequests(self.device)
+        stop = StopRequests()
         stop.install()
         try:
             self._run(stop)
@@ -264,7 +275,7 @@ class Trainer:
                 self.heartbeat.progress()
             at_step_start(self.step + 1)
             skips_before = self._skip_counters()
-            loss, grad_norm = self._train_step(measure_norm=log_now and self.measure_grad_norm)
+            loss, grad_norm, stop_agreed = self._train_step(stop, measure_norm=log_now and self.measure_grad_norm)
             self.step += 1
             if self._skip_counters() != skips_before:
                 self._skipped_step()
@@ -301,7 +312,7 @@ class Trainer:
             if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final):
                 self._save()
                 window_start = time.perf_counter()
-            if self.step < t.steps and stop.agreed():
+            if self.step < t.steps and stop_agreed:
                 self._stop_early(stop)
                 break
         self.metrics.close()
@@ -326,8 +337,8 @@ class Trainer:
         remove_partials(directory)
 
     def _skip_counters(self) -> tuple[int, int]:
-        """Steps skipped so far by the numerical guard and by DeepSpeed's own overflow check."""
-        return self.guard.skipped, self.engine.skipped_steps
+        """Steps skipped so far by the step decision and by DeepSpeed's own overflow check."""
+        return self.decision.skipped, self.engine.skipped_steps
 
     def _skipped_step(self) -> None:
         """Log a step whose gradients were not finite (skipped on every rank); stop after
@@ -346,19 +357,21 @@ class Trainer:
     def _due(self, interval: int, at_end: bool) -> bool:
         return (interval > 0 and self.step % interval == 0) or (at_end and self.step == self.cfg.training.steps)
 
-    def _train_step(self, measure_norm: bool) -> tuple[torch.Tensor, float | None]:
+    def _train_step(self, stop: StopRequests, measure_norm: bool) -> tuple[torch.Tensor, float | None, bool]:
         """One optimizer step; returns this rank's mean micro-batch loss (and the gradient norm if
-        it had to be measured here)."""
-        micro_batches = self.loader.next_step()
-        total, grad_norm = torch.zeros((), device=self.device), None
-        for i, (inputs, targets) in enumerate(micro_batches):
-            loss = poison_loss(self.engine(inputs.to(self.device), targets.to(self.device)), self.step + 1)
+        it had to be measured here), and whether all ranks agreed to stop after it."""
+        micro_batches = to_device(self.loader.next_tokens(), self.device)
+        total, grad_norm, stop_agreed = torch.zeros((), device=self.device), None, False
+        for i, tokens in enumerate(micro_batches):
+            loss = poison_loss(self.engine(*inputs_and_targets(tokens)), self.step + 1)
             self.engine.backward(loss)
-            if measure_norm and i == len(micro_batches) - 1:  # gradients are reduced at the boundary
-                grad_norm = gradient_norm(self.engine.module.parameters(), self.parallel)
+            if i == len(micro_batches) - 1:  # the boundary: gradients are reduced, the optimizer steps next
+                stop_agreed = self.decision.decide(stop.received is not None)
+                if measure_norm:
+                    grad_norm = gradient_norm(self.engine.module.parameters(), self.parallel)
             self.engine.step()
             total += loss.detach().float()
-        return total / len(micro_batches), grad_norm
+        return total / len(micro_batches), grad_norm, stop_agreed
 
     @torch.no_grad()
     def _evaluate(self) -> None:

@@ -1,0 +1,88 @@
+"""Host synchronisations per optimizer step, counted by where they come from.
+
+    python benchmarks/host_syncs.py --out benchmarks/results/host_syncs.json
+
+One rank trains each method (dense AdamW, SMET, Spectron) at ZeRO-0 and ZeRO-2 for ``--steps`` steps,
+metrics every ``--steps`` steps (a logged step reads its scalars back on purpose), and every call that
+makes the host wait for an accelerator is counted (see ``common.HostSyncs``) in each step outside the
+logged one: inside the training step and in the loop around it (topology updates counted apart, as
+they run every sparse.update_interval steps). On CPU they cost nothing; on a GPU each waits until the
+device has run everything queued before it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (REPO, HostSyncs, benchmark_main, markdown_table, run_workers, short_run_overrides,  # noqa: E402
+                    start_trainer, write_report)
+
+METHODS = {"dense": [], "smet": ["model.layer=sparse", "optimizer.name=smet", "sparse.update_interval=3"],
+           "spectron": ["model.layer=lowrank", "optimizer.name=spectron"]}
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="llama-tiny")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+
+
+def _run(args: argparse.Namespace) -> None:
+    settings = {"preset": args.preset, "steps": args.steps, "data": args.data}
+    results = [{"method": method, "zero": zero, **run_workers(__file__, 1, {**settings, "method": method, "zero": zero})}
+               for method in METHODS for zero in (0, 2)]
+    print(_table(results))
+    write_report(args.out, {"settings": settings, "results": results})
+
+
+def _worker(a: dict, result: Path) -> None:
+    overrides = short_run_overrides(a["preset"], a["data"], 64, a["steps"], 4, 4, result.parent / "run")
+    trainer = start_trainer(overrides + [f"parallel.zero_stage={a['zero']}", f"logging.log_interval={a['steps']}",
+                                         *METHODS[a["method"]]])
+    syncs = HostSyncs()
+    per_step: list[dict[str, int]] = []
+    updates: list[dict[str, int]] = []
+    train_step, update = trainer._train_step, trainer.topology.update if trainer.topology else None
+
+    def counted_step(*args, **kwargs):
+        if per_step:  # what the loop did after the last step belongs to it
+            per_step[-1] = _add(per_step[-1], syncs.take())
+        outcome = train_step(*args, **kwargs)
+        per_step.append(syncs.take())
+        return outcome
+
+    def counted_update(*args, **kwargs):
+        per_step[-1] = _add(per_step[-1], syncs.take())
+        outcome = update(*args, **kwargs)
+        updates.append(syncs.take())
+        return outcome
+
+    trainer._train_step = counted_step
+    if update:
+        trainer.topology.update = counted_update
+    with syncs.mode:
+        trainer.run()
+    steady = per_step[1:-1]  # the first step builds state, the last is logged
+    result.write_text(json.dumps({
+        "per_step": {origin: statistics.median(step.get(origin, 0) for step in steady)
+                     for origin in ("megasparse", "deepspeed", "torch")},
+        "steps_counted": len(steady), "per_topology_update": updates[0] if updates else None}))
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
+
+
+def _table(results: list[dict]) -> str:
+    rows = [[r["method"], str(r["zero"]), *(f"{r['per_step'][o]:g}" for o in ("megasparse", "deepspeed", "torch")),
+             str(sum((r["per_topology_update"] or {}).values()) if r["per_topology_update"] else "")] for r in results]
+    return markdown_table(["method", "ZeRO", "megasparse per step", "DeepSpeed per step", "torch per step",
+                           "per topology update"], "lrrrrr", rows)
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, _arguments, _run, _worker)
