@@ -182,10 +182,11 @@ def markdown_table(headers: list[str], align: str, rows: list[list[str]]) -> str
 
 class HostSyncs:
     """Counts, per origin, what makes the host wait for an accelerator: a value read back (``item``, ``tolist``,
-    ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``) and a tensor made from host data (``tensor``,
-    ``as_tensor``; a step then copies it to the device from pageable memory, which waits for the queue).
+    ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``), a result whose size only the device knows
+    (``nonzero``, ``masked_select``, ``unique``, indexing by a boolean mask), and a tensor made from host data
+    (``tensor``, ``as_tensor``; a step then copies it to the device from pageable memory, which waits).
     On CPU these cost nothing, but they are the same calls. The origin is the innermost frame in megasparse
-    or DeepSpeed ("torch" when neither is on the stack)."""
+    or DeepSpeed, or torch.optim ("torch" when none is on the stack); see :func:`_origin`."""
 
     def __init__(self) -> None:
         import torch
@@ -193,12 +194,19 @@ class HostSyncs:
 
         self.counts: dict[str, int] = {}
         waits = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-                 torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy, torch.tensor, torch.as_tensor}
+                 torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy, torch.tensor, torch.as_tensor,
+                 torch.nonzero, torch.Tensor.nonzero, torch.masked_select, torch.Tensor.masked_select, torch.unique}
         counts = self.counts
+
+        def boolean_index(func, args) -> bool:  # x[mask]: the result's size is only known on the device
+            if func is not torch.Tensor.__getitem__ or len(args) < 2:
+                return False
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func in waits:
+                if func in waits or boolean_index(func, args):
                     origin = _origin()
                     counts[origin] = counts.get(origin, 0) + 1
                 return func(*args, **(kwargs or {}))
@@ -213,10 +221,13 @@ class HostSyncs:
 
 
 def _origin() -> str:
+    """``package:file:function`` of the innermost frame in megasparse, DeepSpeed or torch.optim (whose step
+    counts live on the host: a read of one waits for nothing), else ``torch``."""
     import traceback
 
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        for package in ("megasparse", "deepspeed"):
-            if f"/{package}/" in frame.filename:
-                return package
+    for frame in reversed(traceback.extract_stack()[:-2]):  # not this function and __torch_function__
+        for package, marker in (("torch.optim", "/torch/optim/"), ("megasparse", "/megasparse/"),
+                                ("deepspeed", "/deepspeed/")):
+            if marker in frame.filename:
+                return f"{package}:{Path(frame.filename).name}:{frame.name}"
     return "torch"

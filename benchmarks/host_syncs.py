@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (REPO, HostSyncs, benchmark_main, markdown_table, run_workers, short_run_overrides,  # noqa: E402
                     start_trainer, write_report)
 
+PACKAGES = ("megasparse", "deepspeed", "torch.optim", "torch")
 METHODS = {"dense": [], "smet": ["model.layer=sparse", "optimizer.name=smet", "sparse.update_interval=3"],
            "spectron": ["model.layer=lowrank", "optimizer.name=spectron"]}
 
@@ -29,12 +30,14 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama-tiny")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--zero", nargs="+", type=int, default=[0, 2])
 
 
 def _run(args: argparse.Namespace) -> None:
     settings = {"preset": args.preset, "steps": args.steps, "data": args.data}
     results = [{"method": method, "zero": zero, **run_workers(__file__, 1, {**settings, "method": method, "zero": zero})}
-               for method in METHODS for zero in (0, 2)]
+               for method in args.methods for zero in args.zero]
     print(_table(results))
     write_report(args.out, {"settings": settings, "results": results})
 
@@ -67,10 +70,13 @@ def _worker(a: dict, result: Path) -> None:
     with syncs.mode:
         trainer.run()
     steady = per_step[1:-1]  # the first step builds state, the last is logged
+    origins = sorted({origin for step in steady for origin in step})
+    detail = {origin: statistics.median(step.get(origin, 0) for step in steady) for origin in origins}
     result.write_text(json.dumps({
-        "per_step": {origin: statistics.median(step.get(origin, 0) for step in steady)
-                     for origin in ("megasparse", "deepspeed", "torch")},
-        "steps_counted": len(steady), "per_topology_update": updates[0] if updates else None}))
+        "per_step": {package: sum(n for origin, n in detail.items() if origin.split(":")[0] == package)
+                     for package in PACKAGES},
+        "per_step_by_origin": detail, "steps_counted": len(steady),
+        "per_topology_update": updates[0] if updates else None}))
 
 
 def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -78,10 +84,10 @@ def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 
 def _table(results: list[dict]) -> str:
-    rows = [[r["method"], str(r["zero"]), *(f"{r['per_step'][o]:g}" for o in ("megasparse", "deepspeed", "torch")),
-             str(sum((r["per_topology_update"] or {}).values()) if r["per_topology_update"] else "")] for r in results]
-    return markdown_table(["method", "ZeRO", "megasparse per step", "DeepSpeed per step", "torch per step",
-                           "per topology update"], "lrrrrr", rows)
+    rows = [[r["method"], str(r["zero"]), *(f"{r['per_step'][package]:g}" for package in PACKAGES),
+             str(sum(r["per_topology_update"].values())) if r["per_topology_update"] else ""] for r in results]
+    return markdown_table(["method", "ZeRO", "megasparse", "DeepSpeed", "torch.optim (host values)", "torch",
+                           "per topology update"], "lrrrrrr", rows)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
 same masks and weights) as the same layout run plainly, under tensor parallelism, ZeRO and RigL's updates."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from helpers import assert_same_model, checkpoint, train_losses
 
@@ -50,3 +55,16 @@ def test_throughput_per_device_and_mfu(runs):
         assert record["tflops_per_device"] == pytest.approx(
             training_flops * record["tokens_per_s_per_device"] / 1e12, rel=1e-9)
         assert record["mfu"] == pytest.approx(record["tflops_per_device"] / 0.5, rel=1e-9)
+
+
+def test_one_host_synchronisation_per_step(dataset, tmp_path):
+    """megasparse makes the host wait for the device once per optimizer step (the step decision's read), counted
+    by benchmarks/host_syncs.py for SMET at ZeRO-0 and 2, whose cohort tables were built on the host and copied
+    for every sparse tensor at every step; DeepSpeed's own waits (gradient norm, clipping) are counted apart."""
+    out = tmp_path / "syncs.json"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "host_syncs.py"), "--methods", "smet",
+                    "--zero", "0", "2", "--steps", "5", "--data", str(dataset), "--out", str(out)],
+                   check=True, capture_output=True)
+    for result in json.loads(out.read_text())["results"]:
+        assert result["per_step"]["megasparse"] == 1, result
+        assert result["per_step"]["deepspeed"] > 0, result  # the counter sees what it is meant to
