@@ -34,7 +34,7 @@ setup(
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "pytest-xdist", "mpi4py", "mpich", "transformers", "protobuf", "wandb"],  # pytest-xdist: the suite on two workers; transformers, protobuf: HF export/import tests; wandb: its logging test
+        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb"],  # transformers, protobuf: HF export/import tests; wandb: its logging test
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
 )

@@ -40,6 +40,17 @@ def run_many(script: str, worker_args: list[dict[str, Any]], jobs: int) -> list[
         return list(pool.map(lambda args: run_workers(script, 1, args, env), worker_args))
 
 
+def clock() -> float:
+    """``time.perf_counter()`` once the accelerator has finished the work queued before (on a GPU the host runs
+    ahead of the device, and a timer read without this measures the queueing)."""
+    import time
+
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+    return time.perf_counter()
+
+
 def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

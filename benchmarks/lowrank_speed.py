@@ -24,11 +24,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (REPO, benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
+from common import (REPO, benchmark_main, clock, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
                     write_report)
 
 VARIANTS = {"dense-adamw": [], "lowrank-adamw": ["model.layer=lowrank"],
@@ -137,8 +136,8 @@ def _time_steps(optimizer) -> list[float]:
     """The wall time of each ``optimizer.step()``, through the optimizer's step hooks (CPU: nothing to
     synchronise)."""
     times, start = [], []
-    optimizer.register_step_pre_hook(lambda *_: start.append(time.perf_counter()))
-    optimizer.register_step_post_hook(lambda *_: times.append(time.perf_counter() - start.pop()))
+    optimizer.register_step_pre_hook(lambda *_: start.append(clock()))
+    optimizer.register_step_post_hook(lambda *_: times.append(clock() - start.pop()))
     return times
 
 

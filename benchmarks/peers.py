@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
+from common import (benchmark_main, clock, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
                     wikitext_dataset, write_report)
 
 ARMS = ("plain", "megasparse-zero0", "megasparse-zero2")
@@ -76,13 +75,10 @@ def _run(args: argparse.Namespace) -> None:
 def step_clock(step):
     """``step`` wrapped to record the time at each call's start (the accelerator synchronised first); the
     differences of consecutive starts are whole loop iterations, everything a step costs included."""
-    from deepspeed.accelerator import get_accelerator
-
     starts = []
 
     def timed(*args, **kwargs):
-        get_accelerator().synchronize()
-        starts.append(time.perf_counter())
+        starts.append(clock())
         return step(*args, **kwargs)
 
     return timed, starts

@@ -17,11 +17,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import REPO, benchmark_main, run_workers, short_run_overrides, start_trainer, write_report  # noqa: E402
+from common import REPO, benchmark_main, clock, run_workers, short_run_overrides, start_trainer, write_report  # noqa: E402
 
 DEFAULT_INTERVAL = 100
 
@@ -74,9 +73,9 @@ def _worker(a: dict, result: Path) -> None:
         update = trainer.topology.update
 
         def timed_update(step: int):
-            start = time.perf_counter()
+            start = clock()
             out = update(step)
-            update_times.append(time.perf_counter() - start)
+            update_times.append(clock() - start)
             return out
 
         trainer.topology.update = timed_update

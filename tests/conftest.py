@@ -1,6 +1,5 @@
 """Test setup: CPU/gloo DeepSpeed, a cached JIT-op directory, and a small real dataset."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,22 +21,8 @@ NO_PROCESS_GROUP = {"test_config", "test_data", "test_docs", "test_execution", "
                     "test_schedule", "test_smet", "test_spectron", "test_structure", "test_versions"}
 
 
-# The longest file, started first after those, so that it does not end the run alone on one worker.
-LONGEST = "test_launchers"
-
-
-def pytest_configure(config):
-    """Under pytest-xdist, in the controller before the workers start: build DeepSpeed's JIT op (about 30 s on a
-    fresh checkout) on idle cores, in a process of its own, rather than in a worker's fork server while the
-    other worker's tests take the cores."""
-    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", default=0):
-        subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                       capture_output=True)  # a failure shows again, in the tests that need the op
-
-
 def pytest_collection_modifyitems(items):
-    # stable: file order kept otherwise (pytest-xdist hands out whole files in this order)
-    items.sort(key=lambda item: (item.module.__name__ not in NO_PROCESS_GROUP, item.module.__name__ != LONGEST))
+    items.sort(key=lambda item: item.module.__name__ not in NO_PROCESS_GROUP)  # stable: file order kept
     if any(item.module.__name__ not in NO_PROCESS_GROUP for item in items):
         fork_server()  # its start-up runs beside the first tests
 

@@ -10,6 +10,7 @@ import torch
 
 from megasparse.config import Config, ModelConfig
 from megasparse.errors import ConfigError
+from megasparse.lowrank.layers import Factorise, balanced_factors
 from megasparse.model.layers import DenseLayers, LayerFactory, LowRankLayers, SparseLayers, TensorParallelLayers
 from megasparse.model.llama import Llama
 from megasparse.parallel.mappings import TensorParallel
@@ -48,12 +49,13 @@ def low_ranks(cfg: Config) -> dict[str, int]:
     return ranks
 
 
-def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel()) -> LayerFactory:
-    """The factory for ``model.layer`` on ``tp``'s tensor-parallel group."""
+def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel(), factorise: Factorise = balanced_factors) -> LayerFactory:
+    """The factory for ``model.layer`` on ``tp``'s tensor-parallel group (``factorise``: how low-rank layers
+    take their initial factors)."""
     base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
     if cfg.model.layer == "sparse":
         return SparseLayers(base, tp, sparse_densities(cfg))
-    return LowRankLayers(base, tp, low_ranks(cfg)) if cfg.model.layer == "lowrank" else base
+    return LowRankLayers(base, tp, low_ranks(cfg), factorise) if cfg.model.layer == "lowrank" else base
 
 
 def sparse_densities(cfg: Config) -> dict[str, float]:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megasparse.lowrank.layers import LowRankLinear
+from megasparse.lowrank.layers import Factorise, LowRankLinear, balanced_factors
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                         VocabParallelHead, WeightInit)
 from megasparse.parallel.mappings import TensorParallel
@@ -118,14 +118,16 @@ class LowRankLayers:
     """``LowRankLinear`` of the given rank for each role in ``ranks``; everything else from ``base``
     (``DenseLayers`` on one tensor-parallel rank, ``TensorParallelLayers`` on several)."""
 
-    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, ranks: dict[str, int]) -> None:
-        self.base, self.tp, self.ranks = base, tp, ranks
+    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, ranks: dict[str, int],
+                 factorise: Factorise = balanced_factors) -> None:
+        self.base, self.tp, self.ranks, self.factorise = base, tp, ranks, factorise
         self.embedding, self.head = base.embedding, base.head
 
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.ranks:
             return self.base.projection(in_features, out_features, role, init)
-        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, _split(role, self.tp))
+        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, _split(role, self.tp),
+                             self.factorise)
 
 
 def _split(role: Role, tp: TensorParallel) -> Literal["column", "row"] | None:

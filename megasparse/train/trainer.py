@@ -32,6 +32,7 @@ from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_gradient, poison_loss
+from megasparse.lowrank.layers import SharedFactorisation, balanced_factors
 from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
@@ -166,7 +167,8 @@ class Trainer:
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
 
         torch.manual_seed(t.seed)
-        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp))
+        factorise = SharedFactorisation() if dist.get_world_size() > 1 else balanced_factors
+        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp, factorise))
         if cfg.checkpoint.init_from and not self.resume_from:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
                                 self.data.tokenizer_sha256, tp)
@@ -287,6 +289,7 @@ class Trainer:
             window_steps += 1
             if log_now:
                 dist.all_reduce(window_loss, group=self.dp_group)
+                get_accelerator().synchronize()  # the window's work done on the device before the clock is read
                 elapsed = time.perf_counter() - window_start
                 grad_norm = grad_norm if grad_norm is not None else self.engine.get_global_grad_norm()
                 values = {
