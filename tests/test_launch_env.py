@@ -129,3 +129,15 @@ def test_each_rank_takes_a_device_it_can_see(local_rank, local_world, visible, d
     assert device_index(local_rank, local_world, visible) == device
     if device is not None:
         assert 0 <= device < visible
+
+
+def test_the_hang_diagnosis_ends_before_the_collective_timeout():
+    """The heartbeat looks for a silent rank 5 heartbeats (3 of diagnosis, 2 of margin) before the process group's
+    timeout, at which NCCL's watchdog would end the process; a timeout that leaves no room is refused."""
+    from megasparse.parallel.watchdog import stall_timeout
+
+    assert stall_timeout(1800.0, 5.0) == 1775.0
+    assert stall_timeout(9.0, 1.0) == 4.0
+    with pytest.raises(UserError, match=r"parallel.timeout_minutes: 0.1 \(6 s\) leaves no time .* must exceed "
+                                         r"5 x parallel.heartbeat_seconds = 10 s"):
+        stall_timeout(6.0, 2.0)
