@@ -3,6 +3,7 @@ and reading the WikiText-2 corpus when it is there."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +52,29 @@ def clock() -> float:
     return time.perf_counter()
 
 
+def peak_memory() -> dict[str, int | None]:
+    """This process's peak memory so far, in bytes: the resident set, and on an accelerator what its allocator
+    handed out (``max_memory_allocated``; None on CPU, where the resident set is the measure)."""
+    import resource
+
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    on_device = accelerator.device_name() != "cpu"
+    return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # kB on Linux
+            "peak_accelerator": accelerator.max_memory_allocated() if on_device else None}
+
+
+def peak_label(peaks: dict[str, int | None]) -> str:
+    """The column header for :func:`shown_peak`."""
+    return "peak RSS" if peaks["peak_accelerator"] is None else "peak accelerator memory"
+
+
+def shown_peak(peaks: dict[str, int | None]) -> int:
+    """The accelerator's peak where there is one, else the resident set's."""
+    return peaks["peak_rss"] if peaks["peak_accelerator"] is None else peaks["peak_accelerator"]
+
+
 def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,15 +95,18 @@ COLLECTIVES = ("reduce", "all_reduce", "reduce_scatter_fn", "reduce_scatter_tens
 INPUT_SECOND = ("reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor", "allgather_fn")  # (output, input)
 
 
-class CollectiveBytes:
-    """Counts the bytes of the input tensor of every collective called through deepspeed.comm, in
-    total and per process group (megasparse and DeepSpeed both communicate only through it)."""
+class Collectives:
+    """Counts every collective called through deepspeed.comm (megasparse and DeepSpeed both communicate only
+    through it): the bytes of its input tensor, in total and per process group, and, inside
+    :meth:`counting` blocks, the calls per process group."""
 
     def __init__(self) -> None:
         import deepspeed.comm as dist
 
         self.total = 0
         self.by_group: dict[int, int] = {}
+        self.calls: dict[int, int] = {}
+        self._counting_calls = False
         for name in COLLECTIVES:
             if hasattr(dist, name):
                 setattr(dist, name, self._counting(getattr(dist, name), 1 if name in INPUT_SECOND else 0))
@@ -88,16 +115,50 @@ class CollectiveBytes:
         def wrapper(*args, **kwargs):
             tensors = [a for a in list(args) + [v for k, v in kwargs.items() if k != "group"]
                        if hasattr(a, "element_size")]
+            group = id(kwargs.get("group"))
             if len(tensors) > input_position:
                 size = tensors[input_position].numel() * tensors[input_position].element_size()
                 self.total += size
-                group = id(kwargs.get("group"))
                 self.by_group[group] = self.by_group.get(group, 0) + size
+            if self._counting_calls:
+                self.calls[group] = self.calls.get(group, 0) + 1
             return function(*args, **kwargs)
         return wrapper
 
-    def of(self, group) -> int:
+    def bytes_of(self, group) -> int:
         return self.by_group.get(id(group), 0)
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the calls made inside, per group (:meth:`of`)."""
+        self._counting_calls = True
+        try:
+            yield
+        finally:
+            self._counting_calls = False
+
+    def of(self, group) -> int:
+        """The calls on ``group`` inside :meth:`counting` blocks so far."""
+        return self.calls.get(id(group), 0)
+
+
+class Kernels:
+    """Counts, inside ``with kernels.mode:``, the ATen operations that are not views: on a GPU each launches
+    at least one kernel (a view launches none)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.count = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "aten" and not func.is_view:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
 
 
 def short_run_overrides(preset: str, data: str, seq_len: int, steps: int, micro_batch: int, global_batch: int,

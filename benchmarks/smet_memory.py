@@ -16,7 +16,7 @@ embeddings, head and norms are dense in both runs):
 - gradient bytes reduced: every collective DeepSpeed issues while reducing gradient buckets
   in the backward pass is counted (bytes of the tensors passed to deepspeed.comm); each bucket's
   bytes are split between projections and the rest by the elements each parameter has in it;
-- peak resident set per rank.
+- peak memory per rank: the accelerator's (``max_memory_allocated``) on a GPU, the resident set on CPU.
 
 The bounds from the SMET issue are checked on the ratios SMET / dense.
 """
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers,  # noqa: E402
-                    short_run_overrides, start_trainer, write_report)
+from common import (REPO, Collectives, benchmark_main, markdown_table, peak_label, peak_memory,  # noqa: E402
+                    run_workers, short_run_overrides, shown_peak, start_trainer, write_report)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BOUNDS = {"optimizer_state": (1.15, 0.02), "persistent": (1.4, 0.02), "grad_reduced": (1.05, 0.01)}
@@ -83,7 +82,7 @@ def _worker(a: dict, result: Path) -> None:
     trainer = start_trainer(short_run_overrides(a["preset"], a["data"], a["seq_len"], 3, 2, 4, result.parent / "run")
                             + ["training.precision=fp32", "parallel.zero_stage=2", *method])
     engine, optimizer = trainer.engine, trainer.optimizer
-    counter = CollectiveBytes()
+    counter = Collectives()
     projections = {id(p): p for name, p in engine.module.named_parameters() if name.split(".")[-2] in PROJECTIONS}
     reduced = defaultdict(float)
 
@@ -119,7 +118,7 @@ def _worker(a: dict, result: Path) -> None:
     engine.step()
     mine = {"optimizer_state": state_bytes, "values": values, "indices": indices, "master": masters, "grads": grads,
             "grad_reduced": reduced["projections"], "grad_reduced_all_params": reduced["all"],
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            **peak_memory()}
     mine["persistent"] = state_bytes + values + indices + masters + grads
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
@@ -156,10 +155,10 @@ def _table(runs: list[dict]) -> str:
         ratios = ", ".join(f"{v['ratio']:.3f} (<= {v['bound']:.3f})" for v in r.get("ratios", {}).values()) or "-"
         rows.append([r["preset"], "dense AdamW" if r["density"] is None else f"SMET d={r['density']}",
                      f"{rank0['optimizer_state'] / 1e6:.1f}", f"{rank0['persistent'] / 1e6:.1f}",
-                     f"{rank0['grad_reduced'] / 1e6:.1f}", f"{max(x['peak_rss'] for x in r['per_rank']) / 2**30:.2f}",
+                     f"{rank0['grad_reduced'] / 1e6:.1f}", f"{max(shown_peak(x) for x in r['per_rank']) / 2**30:.2f}",
                      ratios])
     return markdown_table(["preset", "method", "optimizer state (MB/rank)", "persistent (MB/rank)",
-                           "grad reduced (MB/step/rank)", "peak RSS (GB/rank)",
+                           "grad reduced (MB/step/rank)", f"{peak_label(runs[0]['per_rank'][0])} (GB/rank)",
                            "SMET / dense: state, persistent, traffic (bound)"], "llrrrrl", rows)
 
 

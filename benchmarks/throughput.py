@@ -6,21 +6,20 @@
 Each (preset, process count) runs the megasparse trainer under ``torchrun`` for ``--steps``
 optimizer steps (no evaluation, no checkpoints). Step time is the median over the steps after
 ``--warmup``; tokens/s is the global tokens of those steps over their summed time. Memory is
-read on every rank after training: the process's peak resident set (``ru_maxrss``) and the
-accelerator's peak allocation (on CPU, DeepSpeed samples the resident set instead).
+read on every rank after training: the process's peak resident set (``ru_maxrss``) and, on an
+accelerator, its allocator's peak (``max_memory_allocated``), which the table shows there.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (REPO, benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer,  # noqa: E402
-                    write_report)
+from common import (REPO, benchmark_main, markdown_table, peak_label, peak_memory, run_workers,  # noqa: E402
+                    short_run_overrides, shown_peak, start_trainer, write_report)
 
 SETTINGS = ("steps", "warmup", "seq_len", "micro_batch", "global_batch", "zero", "precision", "data")
 
@@ -49,9 +48,6 @@ def _run(args: argparse.Namespace) -> None:
 
 def _worker(a: dict, result: Path) -> None:
     import deepspeed.comm as dist
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     from megasparse.train.metrics import read_metrics
 
     output_dir = result.parent / "run"
@@ -59,11 +55,8 @@ def _worker(a: dict, result: Path) -> None:
                                                 a["global_batch"], output_dir)
                             + [f"training.precision={a['precision']}", f"parallel.zero_stage={a['zero']}"])
     trainer.run()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    memory = torch.tensor([rss, get_accelerator().max_memory_allocated()], dtype=torch.float64,
-                          device=get_accelerator().current_device_name())
-    gathered = [torch.zeros_like(memory) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, memory)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_memory())
     if dist.get_rank() != 0:
         return
     records = read_metrics(output_dir)[a["warmup"]:]
@@ -74,16 +67,17 @@ def _worker(a: dict, result: Path) -> None:
         "step_time_s": statistics.median(step_times),
         "tokens_per_s": a["global_batch"] * a["seq_len"] * len(records) / sum(step_times),
         "final_loss": records[-1]["loss"],
-        "peak_rss_gb_per_rank": [round(m[0].item() / 2**30, 3) for m in gathered],
-        "peak_device_gb_per_rank": [round(m[1].item() / 2**30, 3) for m in gathered],
+        "peak_memory_per_rank": peaks,
     }))
 
 
 def _table(runs: list[dict]) -> str:
     return markdown_table(
-        ["preset", "params (vocab)", "ranks", "step time (s)", "tokens/s", "peak RSS per rank (GB)"], "lrrrrl",
+        ["preset", "params (vocab)", "ranks", "step time (s)", "tokens/s",
+         f"{peak_label(runs[0]['peak_memory_per_rank'][0])} per rank (GB)"], "lrrrrl",
         [[r["preset"], f"{r['parameters'] / 1e6:.1f}M ({r['vocab_size']})", str(r["nproc"]), f"{r['step_time_s']:.3f}",
-          f"{r['tokens_per_s']:,.0f}", ", ".join(f"{m:.2f}" for m in r["peak_rss_gb_per_rank"])] for r in runs])
+          f"{r['tokens_per_s']:,.0f}", ", ".join(f"{shown_peak(m) / 2**30:.2f}" for m in r["peak_memory_per_rank"])]
+         for r in runs])
 
 
 if __name__ == "__main__":

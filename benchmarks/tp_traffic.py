@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (REPO, CollectiveBytes, benchmark_main, markdown_table, run_workers,  # noqa: E402
+from common import (REPO, Collectives, benchmark_main, markdown_table, run_workers,  # noqa: E402
                     short_run_overrides, start_trainer, write_report)
 
 
@@ -44,9 +44,9 @@ def _worker(a: dict, result: Path) -> None:
             short_run_overrides(a["preset"], a["data"], 256, 1, sequences, sequences, result.parent / "run")
             + ["parallel.tensor_parallel=2",
                *(["model.layer=lowrank", "optimizer.name=spectron"] if a["kind"] == "lowrank" else [])])
-        counter = CollectiveBytes()
+        counter = Collectives()
         trainer.run()
-        out = {"bytes_per_step": counter.of(trainer.parallel.tensor_parallel_group),
+        out = {"bytes_per_step": counter.bytes_of(trainer.parallel.tensor_parallel_group),
                "parameters_per_rank": trainer.num_parameters}
     else:
         out = _layer_traffic(a)
@@ -72,7 +72,7 @@ def _layer_traffic(a: dict) -> list[dict]:
     state = create_groups(2)
     tp = TensorParallel(state.tensor_parallel_group, 2, state.tensor_parallel_rank)
     shapes, _ = projection_shapes(load_config(None, [f"model.preset={a['preset']}"]).model)
-    rows, counter = [], CollectiveBytes()
+    rows, counter = [], Collectives()
     for role, (in_features, out_features) in shapes.items():
         column = role in COLUMN_ROLES
         rank = round(0.25 * in_features)
@@ -86,9 +86,9 @@ def _layer_traffic(a: dict) -> list[dict]:
         for kind, layer in layers.items():
             width = in_features if column else in_features // 2
             x = torch.randn(a["tokens"], width, requires_grad=True)
-            before = counter.of(tp.group)
+            before = counter.bytes_of(tp.group)
             layer(x).sum().backward()
-            row[f"{kind}_bytes"] = counter.of(tp.group) - before
+            row[f"{kind}_bytes"] = counter.bytes_of(tp.group) - before
         rows.append(row)
     dist.barrier()
     return rows

@@ -1,4 +1,5 @@
-"""Test setup: CPU/gloo DeepSpeed, a cached JIT-op directory, and a small real dataset."""
+"""Test setup: CPU/gloo DeepSpeed (unless ``DS_ACCELERATOR`` asks for another accelerator), a cached JIT-op
+directory, and a small real dataset."""
 import os
 import sys
 from pathlib import Path
@@ -6,8 +7,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Before anything imports deepspeed: tests run on CPU ranks over gloo, and DeepSpeed's one
-# JIT-compiled op (~20 s) is built once into a cache that later runs reuse.
+# Before anything imports deepspeed: tests run on CPU ranks over gloo unless DS_ACCELERATOR=cuda asks for GPUs
+# (NCCL, one GPU per rank: a test of more ranks than GPUs is skipped), and DeepSpeed's one JIT-compiled op
+# (~20 s) is built once into a cache that later runs reuse.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
+from megasparse.lowrank.spectron import Spectron, factor_pairs
+from megasparse.optim.partitions import Fragment
 from megasparse.parallel.distributed import shutdown_distributed
 from megasparse.parallel.groups import create_groups
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -103,33 +105,118 @@ def vocab_parallel(tp: TensorParallel) -> float:
 
 
 def power_iteration_steps(tp: TensorParallel) -> float:
-    """Every step of the split iteration equals the single-process step."""
-    full = torch.randn(48, 6, generator=torch.Generator().manual_seed(4))
-    v = v_whole = torch.nn.functional.normalize(torch.randn(6, generator=torch.Generator().manual_seed(5)), dim=0)
+    """Every step of the split iteration equals the single-process step, for a batch of three matrices."""
+    full = torch.randn(3, 48, 6, generator=torch.Generator().manual_seed(4))
+    v = v_whole = torch.nn.functional.normalize(torch.randn(3, 6, generator=torch.Generator().manual_seed(5)), dim=1)
     errors = []
     for _ in range(30):
-        sigma, v = power_iteration(tp.shard(full, 0), v, tp)
+        sigma, v = power_iteration(tp.shard(full, 1), v, tp)
         sigma_whole, v_whole = power_iteration(full, v_whole, TensorParallel())
-        errors += [relative(v, v_whole), abs(sigma.item() / sigma_whole.item() - 1)]
+        errors += [relative(v, v_whole), relative(sigma, sigma_whole)]
     return max(errors)
 
 
 def power_iteration_converges(tp: TensorParallel) -> float:
-    """The split iteration reaches ||X||_2 (relative error after 60 warm-started steps)."""
-    full = torch.randn(48, 6, generator=torch.Generator().manual_seed(4))
-    v = torch.nn.functional.normalize(torch.randn(6, generator=torch.Generator().manual_seed(5)), dim=0)
+    """The split iteration reaches ||X||_2 of each matrix (relative error after 60 warm-started steps)."""
+    full = torch.randn(3, 48, 6, generator=torch.Generator().manual_seed(4))
+    v = torch.nn.functional.normalize(torch.randn(3, 6, generator=torch.Generator().manual_seed(5)), dim=1)
     for _ in range(60):
-        sigma, v = power_iteration(tp.shard(full, 0), v, tp)
-    return abs(sigma.item() / torch.linalg.matrix_norm(full, 2).item() - 1)
+        sigma, v = power_iteration(tp.shard(full, 1), v, tp)
+    return ((sigma / torch.linalg.matrix_norm(full, 2) - 1).abs().max()).item()
 
 
 def newton_schulz_split(tp: TensorParallel) -> float:
-    full = torch.randn(40, 7, generator=torch.Generator().manual_seed(6))
-    return relative(gathered(newton_schulz(tp.shard(full, 0), tp), tp, 0), newton_schulz(full, TensorParallel()))
+    full = torch.randn(2, 40, 7, generator=torch.Generator().manual_seed(6))
+    return relative(gathered(newton_schulz(tp.shard(full, 1), tp), tp, 1), newton_schulz(full, TensorParallel()))
+
+
+def _lowrank_stack(layers: int, tp: TensorParallel) -> torch.nn.Module:
+    """``layers`` column- then row-parallel low-rank pairs (as up and down), the same on every rank."""
+    torch.manual_seed(0)
+    column, row = ("column", "row") if tp.size > 1 else (None, None)
+    return torch.nn.ModuleList(module for _ in range(layers) for module in (
+        LowRankLinear(16, 24, 6, WeightInit(0.3), tp, column), LowRankLinear(24, 16, 5, WeightInit(0.3), tp, row)))
+
+
+def _spectron(groups: list[dict]) -> Spectron:
+    return Spectron(groups, lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, momentum=0.9, nesterov=True,
+                    ns_steps=5)
+
+
+def _random_gradients(params: list[torch.Tensor], seed: int = 7) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def spectron_step_collectives(tp: TensorParallel) -> float:
+    """Spectron's step over the tensor-parallel group all-reduces 1 + 5 times per split batch of factors (one
+    power iteration, five Newton-Schulz iterations), however many layers share the batch: the split A of the
+    column-parallel layers, the split B of the row-parallel ones. Returns how far the counts for one and for
+    two layer pairs are from 12 (0 expected)."""
+    counts = []
+    for layers in (1, 2):
+        model = _lowrank_stack(layers, tp)
+        optimizer = _spectron([{"params": list(model.parameters()), "spectron": True}])
+        optimizer.attach(factor_pairs(model), lambda p: [Fragment(p, 0, 0, p.numel())])
+        _random_gradients(list(model.parameters()))
+        calls = []
+        all_reduce = dist.all_reduce
+        dist.all_reduce = lambda *args, **kwargs: calls.append(kwargs.get("group")) or all_reduce(*args, **kwargs)
+        try:
+            optimizer.step()
+        finally:
+            dist.all_reduce = all_reduce
+        counts.append(sum(group is tp.group for group in calls))
+    return float(sum(abs(count - 12) for count in counts))
+
+
+def spectron_step_partitioned(tp: TensorParallel) -> float:
+    """The tensor-parallel group taken as two data-parallel ranks holding ZeRO-1/2-like partitions: the factors
+    of two unsplit layer pairs flattened in order into one buffer, padded to even and halved, so a factor spans
+    the boundary. Two steps on the partitions, the directions assembled by one all-gather per step, equal two
+    steps of one process on the whole factors (the weights each partition holds, and the all-gather count)."""
+    whole = _lowrank_stack(2, TensorParallel())
+    split = _lowrank_stack(2, TensorParallel())
+    params = list(split.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    size = -(-flat.numel() // 2)
+    def partition(flat_values: torch.Tensor) -> torch.Tensor:  # this rank's half of the padded buffer
+        return torch.nn.functional.pad(flat_values, (0, 2 * size - flat_values.numel()))[tp.rank * size:][:size].clone()
+
+    owner = torch.nn.Parameter(partition(flat))
+    offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
+
+    def fragments(param):
+        i = next(k for k, p in enumerate(params) if p is param)
+        first, last = max(offsets[i], tp.rank * size), min(offsets[i + 1], (tp.rank + 1) * size)
+        return [Fragment(owner, first - tp.rank * size, first - offsets[i], last - first)] if last > first else []
+
+    reference = _spectron([{"params": list(whole.parameters()), "spectron": True}])
+    reference.attach(factor_pairs(whole), lambda p: [Fragment(p, 0, 0, p.numel())])
+    optimizer = _spectron([{"params": [owner], "spectron": True}])
+    optimizer.attach(factor_pairs(split), fragments, tp.group, partitioned=True)
+    gathers = []
+    allgather = dist.allgather_fn
+    dist.allgather_fn = lambda *args, **kwargs: gathers.append(1) or allgather(*args, **kwargs)
+    try:
+        for step in range(2):
+            _random_gradients(list(whole.parameters()), seed=step)
+            owner.grad = partition(torch.cat([p.grad.reshape(-1) for p in whole.parameters()]))
+            reference.step()
+            optimizer.step()
+            for param, updated in zip(params, whole.parameters()):  # DeepSpeed's copy back to the module
+                param.data.copy_(updated.detach())
+    finally:
+        dist.allgather_fn = allgather
+    expected = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
+    error = max(relative(owner.detach()[f.offset:f.offset + f.numel], expected[offsets[i] + f.start:][:f.numel])
+                for i, p in enumerate(params) for f in fragments(p))
+    return error + abs(len(gathers) - 2)
 
 
 CHECKS = [dense_pair, lowrank_pair, sparse_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
-          newton_schulz_split]
+          newton_schulz_split, spectron_step_collectives, spectron_step_partitioned]
 
 
 def main() -> None:

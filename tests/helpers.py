@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from megasparse.parallel.launch_env import free_port
@@ -219,7 +220,18 @@ def start_ranks(args: list[str], nproc: int, env: dict[str, str] | None = None, 
     return spawn_ranks(args, nproc, {**os.environ, **(env or {})}, cwd)
 
 
+def skip_unless_devices_for(nproc: int) -> None:
+    """On CUDA (``DS_ACCELERATOR=cuda``: the suite asked to run there), skip a test of ``nproc`` ranks that the
+    visible GPUs cannot hold one per rank, as NCCL requires."""
+    if os.environ.get("DS_ACCELERATOR") == "cuda":
+        import torch
+
+        if nproc > torch.cuda.device_count():
+            pytest.skip(f"{nproc} ranks need {nproc} CUDA devices, {torch.cuda.device_count()} visible")
+
+
 def spawn_ranks(args: list[str], nproc: int, env: dict[str, str], cwd: Path | None) -> list[Forked]:
+    skip_unless_devices_for(nproc)
     port = str(free_port())
     return [fork_server().spawn(list(args), {**env, **rank_env(r, nproc, port)}, cwd) for r in range(nproc)]
 
@@ -233,6 +245,7 @@ def megasparse(*args: str, nproc: int = 1, launcher: str = "env", env: dict[str,
     launchers are run for real through ``megasparse launch``). An ``env`` value of None unsets that
     variable."""
     base_env = {key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None}
+    skip_unless_devices_for(nproc)
     if launcher == "torchrun":
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
                    str(free_port()), "-m", "megasparse", *args]

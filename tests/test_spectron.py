@@ -1,6 +1,8 @@
 """Spectron and the low-rank layer in one process: the step against a plain reference, the
 spectral bound on the change of W, orthogonalisation, balanced initialisation, config checks."""
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from megasparse.lowrank.layers import LowRankLinear, balanced_factors
 from megasparse.lowrank.linalg import newton_schulz
 from megasparse.lowrank.spectron import factor_pairs
 from megasparse.model.factory import layer_factory
+from megasparse.model.llama import Llama
 from megasparse.optim.partitions import Fragment
 from megasparse.parallel.layers import WeightInit
 from megasparse.parallel.mappings import TensorParallel
@@ -62,7 +65,7 @@ def test_step_equals_the_written_out_algorithm(shape_scale, orthogonalise, renor
     a, b = model.proj.A.detach().clone(), model.proj.B.detach().clone()
     momentum = {"A": torch.zeros_like(a), "B": torch.zeros_like(b)}
     adam = {key: [torch.zeros_like(x), torch.zeros_like(x)] for key, x in (("A", a), ("B", b))}
-    vectors = [v.clone() for v in optimizer._power_vectors(factor_pairs(model)[0])]
+    vectors = [v.clone() for v in optimizer._power_vectors()["proj"]]
     generator = torch.Generator().manual_seed(3)
     for t in range(1, 5):
         grads = {"A": torch.randn(a.shape, generator=generator), "B": torch.randn(b.shape, generator=generator)}
@@ -114,12 +117,39 @@ def test_a_step_changes_w_by_at_most_eta_in_spectral_norm(shape_scale):
             assert change <= bound, (seed, change)
 
 
+def kernels_of_a_step(n_layers: int) -> int:
+    """ATen operations other than views in Spectron's second step of llama-tiny with ``n_layers`` blocks, counted
+    as benchmarks/spectron_step.py counts them."""
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("benchmark_common", benchmarks / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    cfg = spectron_config(model={"n_layers": n_layers})
+    model = Llama(cfg.model, 256, layer_factory(cfg))
+    optimizer = build_optimizer(cfg, model)
+    optimizer.attach(factor_pairs(model), fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    kernels = common.Kernels()
+    with kernels.mode:
+        optimizer.step()
+    return kernels.count
+
+
+def test_a_layer_adds_no_kernels_to_the_factor_step():
+    """The factors of one kind and shape are stepped as one batch, so a block's 7 more factor pairs add kernels
+    only for its two norm gains' AdamW (8 each) and nothing for the pairs: the per-pair step took about 80 each."""
+    one, two, four = (kernels_of_a_step(n) for n in (1, 2, 4))
+    assert two - one == (four - two) / 2 <= 16, (one, two, four)
+
+
 def test_newton_schulz_orthogonalises():
     m = torch.randn(50, 8, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-1, 0.5, 8))
-    singular = torch.linalg.svdvals(newton_schulz(m, WHOLE))
+    singular = torch.linalg.svdvals(newton_schulz(m[None], WHOLE)[0])
     assert singular.min() > 0.6 and singular.max() < 1.25  # the quintic's band around 1
     u, _, vh = torch.linalg.svd(m, full_matrices=False)
-    assert torch.nn.functional.cosine_similarity(newton_schulz(m, WHOLE).flatten(), (u @ vh).flatten(), dim=0) > 0.95
+    assert torch.nn.functional.cosine_similarity(newton_schulz(m[None], WHOLE).flatten(), (u @ vh).flatten(), dim=0) > 0.95
 
 
 def test_balanced_factors_are_the_best_rank_r_approximation():

@@ -10,6 +10,8 @@
 # 2. With two or more GPUs, the NCCL path: each method on 2 ranks (dense data-parallel at ZeRO-2, SMET at
 #    ZeRO-3, Spectron at 2 tensor-parallel ranks) in fp32 with TF32 off, against the same run on one GPU: the loss
 #    curves must agree to 1e-4 relative, as they do on CPU with gloo at 1e-5.
+# 3. The test suite on CUDA (DS_ACCELERATOR=cuda: NCCL, one GPU per rank; tests of more ranks than there are
+#    GPUs are skipped), and Spectron's optimizer step alone (benchmarks/spectron_step.py, its one-GPU layouts).
 # Exits non-zero if any run that megasparse accepted failed or disagreed.
 set -uo pipefail
 out=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu-check}")  # from the caller's directory
@@ -108,4 +110,11 @@ if [ "$gpus" -ge 2 ]; then
         tail -1 "$out/summary.md"
     done
 fi
+printf '\n## The test suite on CUDA (%s GPUs)\n\n' "$gpus" | tee -a "$out/summary.md"
+python -m pytest -q -p no:cacheprovider >"$out/pytest.log" 2>&1 || failed=1
+echo "- $(tail -1 "$out/pytest.log") (log: $out/pytest.log)" | tee -a "$out/summary.md"
+
+printf '\n## Spectron optimizer step, one GPU\n\n' | tee -a "$out/summary.md"
+python benchmarks/spectron_step.py --layouts 130m-zero0 --out "$out/spectron_step.json" 2>"$out/spectron_step.log" \
+    | grep '^|' | tee -a "$out/summary.md" || failed=1
 exit $failed

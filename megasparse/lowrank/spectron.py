@@ -26,19 +26,25 @@ Ablations (``spectron.orthogonalise``, ``spectron.renormalise``): without orthog
 factors step along AdamW's direction m_hat / (sqrt(v_hat) + eps) (their own moments, shape factor
 off); without renormalisation rho = eta_t. Both off is plain low-rank AdamW at rate eta_t.
 
+Batching. The step handles all factors of one kind (A or B), local shape and split at once, as a
+batch (:func:`factor_batches`: q, k, v and o of every layer share theirs), with batched matrix
+products, so its kernels and collectives do not grow with depth: the pairs' rates rho come from
+their sigmas by one index-add, and the updates go back into this rank's pieces with ``_foreach`` ops.
+
 Placement. The factors of a tensor-parallel layer are split over the tensor-parallel group
 (A by rows in a column-parallel layer, B by columns in a row-parallel one); Newton-Schulz and
 the power iteration run on the shards and all-reduce only r x r Gram matrices, r-vectors and
-scalars (see linalg.py). Under ZeRO-1/2 DeepSpeed hands this optimizer flat partitions that cut
+scalars (see linalg.py): per split batch, one all-reduce per power iteration and one per
+Newton-Schulz iteration. Under ZeRO-1/2 DeepSpeed hands this optimizer flat partitions that cut
 through the factors; the momentum is kept per partition (so it partitions, checkpoints and
-reshards like Adam's moments), and before orthogonalising each factor's momentum is assembled
-from all data-parallel ranks' fragments by one all-reduce: Newton-Schulz always sees the whole,
-fully reduced factor, never a partition. Under ZeRO-3 the same holds for its sub-group's flat
-partition, and the power iteration runs on the whole factors, assembled the same way from their
-fp32 master partitions; DeepSpeed steps a ZeRO-3 optimizer once per sub-group,
-so every factor must lie in one (checked by :meth:`Spectron.attach`). The gradient DeepSpeed
-hands over is already reduced over data-parallel ranks and clipped, so clipping precedes
-orthogonalisation.
+reshards like Adam's moments), and before orthogonalising the whole momenta are assembled from
+all data-parallel ranks' partitions by one all-gather per step (:class:`PartitionGather`):
+Newton-Schulz always sees the whole, fully reduced factor, never a partition. Under ZeRO-3 the
+same holds for its sub-group's flat partition, and the power iteration runs on the whole
+factors, gathered from their fp32 master partitions in the same all-gather; DeepSpeed steps a
+ZeRO-3 optimizer once per sub-group, so every factor must lie in one (checked by
+:meth:`Spectron.attach`). The gradient DeepSpeed hands over is already reduced over
+data-parallel ranks and clipped, so clipping precedes orthogonalisation.
 
 State layout. As with SMET, every parameter has the same state keys (``None`` where a key does
 not apply) and the power-iteration vectors are a nested dict, not a state tensor, because
@@ -52,7 +58,6 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import deepspeed.comm as dist
 import torch
 from torch import nn
 
@@ -60,7 +65,7 @@ from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.optim.adamw import adamw_update
-from megasparse.optim.partitions import Fragment, full_shape
+from megasparse.optim.partitions import Fragment, PartitionGather, full_shape
 from megasparse.parallel.mappings import TensorParallel
 
 
@@ -88,6 +93,36 @@ def factor_pairs(model: nn.Module) -> list[FactorPair]:
     return [FactorPair(name, m) for name, m in model.named_modules() if isinstance(m, LowRankLinear)]
 
 
+@dataclass(frozen=True)
+class Factor:
+    """One factor of a pair: A (``which`` 0, out x r, tall) or B (1, r x in, wide; r < min(in, out), as the
+    layer factory checks). Its long dimension is the one split over ``tp``; ``scale`` is Muon's shape factor
+    sqrt(max(1, rows / cols)) of the factor as a whole."""
+
+    pair: int
+    which: int
+    param: nn.Parameter
+    tp: TensorParallel
+    scale: float
+
+    @property
+    def wide(self) -> bool:
+        return self.which == 1
+
+
+def factor_batches(pairs: list[FactorPair], shape_scale: bool) -> list[list[Factor]]:
+    """The pairs' factors grouped by what a batched step needs alike: which factor, local shape, split."""
+    batches: dict[tuple, list[Factor]] = {}
+    for index, pair in enumerate(pairs):
+        layer = pair.layer
+        for which, param, split, (rows, cols) in ((0, layer.A, pair.a_split, (layer.out_features, layer.rank)),
+                                                  (1, layer.B, pair.b_split, (layer.rank, layer.in_features))):
+            tp = pair.tp if split else TensorParallel()
+            scale = math.sqrt(max(1.0, rows / cols)) if shape_scale else 1.0
+            batches.setdefault((which, tuple(full_shape(param)), tp), []).append(Factor(index, which, param, tp, scale))
+    return list(batches.values())
+
+
 class Spectron(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, momentum: float, nesterov: bool, ns_steps: int, shape_scale: bool = True,
@@ -102,14 +137,21 @@ class Spectron(torch.optim.Optimizer):
 
     def attach(self, pairs: list[FactorPair], fragments: Callable[[nn.Parameter], list[Fragment]],
                dp_group=None, partitioned: bool = False) -> None:
-        """Bind the factor pairs to this rank's optimizer tensors (after ``deepspeed.initialize``).
-        ``partitioned``: the factors are split over data-parallel ranks (ZeRO-1/2/3)."""
-        self.pairs, self.fragments, self.dp_group, self.partitioned = pairs, fragments, dp_group, partitioned
-        owners = {id(f.owner) for pair in pairs for param in (pair.layer.A, pair.layer.B) for f in fragments(param)}
+        """Bind the factor pairs to this rank's optimizer tensors (after ``deepspeed.initialize``; collective
+        when ``partitioned``: the factors are split over data-parallel ranks, ZeRO-1/2/3)."""
+        self.pairs, self.fragments = pairs, fragments
+        self.batches = factor_batches(pairs, self.shape_scale and self.orthogonalise)
+        factors = [factor for batch in self.batches for factor in batch]
+        owners = {id(f.owner) for factor in factors for f in fragments(factor.param)}
         if partitioned and len(owners) > 1:  # ZeRO-0 holds each factor itself; ZeRO-1/2 one flat tensor per group
             raise UserError("spectron: the low-rank factors fall into several ZeRO-3 sub-groups, which DeepSpeed "
                             "steps one at a time; raise deepspeed.zero_optimization.sub_group_size above their "
                             "number of elements per rank")
+        self._index = {id(f.param): i for i, f in enumerate(factors)}  # a factor's place in the gather
+        self.gather = PartitionGather([f.param for f in factors], fragments, dp_group) if partitioned else None
+        device = pairs[0].layer.A.device if pairs else None
+        self._pair_of = torch.tensor([f.pair for f in factors], device=device)
+        self._scales = torch.tensor([f.scale for f in factors], device=device)
 
     # ------------------------------------------------------------------ the step
 
@@ -119,28 +161,27 @@ class Spectron(torch.optim.Optimizer):
         if not self.pairs and any(g["spectron"] for g in self.param_groups):
             raise RuntimeError("Spectron.attach() must bind the factor pairs before the first step")
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._state(p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self._state(p, group) for p in params]
+            for state in states:
                 state["step"] += 1
-                if group["spectron"] and self.orthogonalise:
-                    self._directions[id(p)] = self._momentum_direction(state, p.grad)
-                elif group["spectron"]:
-                    self._directions[id(p)] = self._adam_direction(state, p.grad, group)
-                else:
+            if group["spectron"] and self.orthogonalise and params:
+                self._directions.update(zip(map(id, params), self._momentum_directions(states, params)))
+            elif group["spectron"]:
+                self._directions.update((id(p), self._adam_direction(s, p.grad, group)) for p, s in zip(params, states))
+            else:
+                for p, state in zip(params, states):
                     adamw_update(p, p.grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
         factor_group = next((g for g in self.param_groups if g["spectron"] and g["params"]), None)
-        if factor_group is not None:
-            for pair in self.pairs:
-                self._step_pair(pair, factor_group)
+        if factor_group is not None and self.pairs:
+            self._step_factors(factor_group)
         self._directions.clear()
 
-    def _momentum_direction(self, state: dict, grad: torch.Tensor) -> torch.Tensor:
-        """M <- b M + (1 - b) G on this rank's partition; returns what gets orthogonalised."""
-        m = state["momentum"]
-        m.lerp_(grad, 1 - self.momentum)
-        return grad.lerp(m, self.momentum) if self.nesterov else m
+    def _momentum_directions(self, states: list[dict], params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """M <- b M + (1 - b) G on this rank's partitions; returns what gets orthogonalised."""
+        momenta, grads = [s["momentum"] for s in states], [p.grad for p in params]
+        torch._foreach_lerp_(momenta, grads, 1 - self.momentum)
+        return torch._foreach_lerp(grads, momenta, self.momentum) if self.nesterov else momenta
 
     @staticmethod
     def _adam_direction(state: dict, grad: torch.Tensor, group: dict) -> torch.Tensor:
@@ -152,69 +193,74 @@ class Spectron(torch.optim.Optimizer):
         denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
         return (m / (1 - beta1**t)).div_(denom)
 
-    def _step_pair(self, pair: FactorPair, group: dict) -> None:
+    def _step_factors(self, group: dict) -> None:
+        """All factors at once, batch by batch (:func:`factor_batches`): power iteration on the weights, the
+        pairs' rates rho from their sigmas, Newton-Schulz on the directions, the update of this rank's pieces."""
         lr, decay = group["lr"], group["weight_decay"]
-        layer, whole = pair.layer, TensorParallel()
-        power = self._power_vectors(pair)
-        a, b = (self._whole_weight(param) for param in (layer.A, layer.B))
-        sigma_a, power[0] = power_iteration(a, power[0], pair.tp if pair.a_split else whole)
-        sigma_b, power[1] = power_iteration(b.T, power[1], pair.tp if pair.b_split else whole)
-        self.spectral_norms[pair.name] = sigma_a + sigma_b
-        rho = lr / (sigma_a + sigma_b + 1.0) if self.renormalise else lr  # a device scalar: no host synchronisation
-        for param, rows, cols, split in ((layer.A, layer.out_features, layer.rank, pair.a_split),
-                                         (layer.B, layer.rank, layer.in_features, pair.b_split)):
-            if self.orthogonalise:  # NS of the tall orientation; the update in the parameter's whole flat layout
-                wide = rows < cols
-                direction = self._whole(param)
-                ortho = newton_schulz(direction.T if wide else direction, pair.tp if split else whole, self.ns_steps)
-                scale = math.sqrt(max(1.0, rows / cols)) if self.shape_scale else 1.0
-                update = (ortho.T if wide else ortho).reshape(-1).mul_(rho * scale)  # a fresh tensor: in place
-            for f in self.fragments(param):
-                piece = f.owner.view(-1)[f.offset:f.offset + f.numel]
-                if decay:
-                    piece.mul_(1 - lr * decay)
-                if self.orthogonalise:
-                    step = update[f.start:f.start + f.numel]
-                else:
-                    step = self._directions[id(f.owner)].reshape(-1)[f.offset:f.offset + f.numel] * rho
-                piece.sub_(step.to(piece.dtype))
+        weights, directions = self._whole_factors()
+        vectors = self._power_vectors()
+        sigmas = []
+        for batch, weight in zip(self.batches, weights):
+            start = torch.stack([vectors[self.pairs[f.pair].name][f.which] for f in batch])
+            sigma, end = power_iteration(weight, start, batch[0].tp, batch[0].wide)
+            for f, v in zip(batch, end.unbind()):
+                vectors[self.pairs[f.pair].name][f.which] = v
+            sigmas.append(sigma)
+        pair_sigmas = torch.zeros(len(self.pairs), device=self._pair_of.device).index_add_(0, self._pair_of,
+                                                                                           torch.cat(sigmas))
+        self.spectral_norms = dict(zip((pair.name for pair in self.pairs), pair_sigmas.unbind()))
+        rho = lr / (pair_sigmas + 1.0) if self.renormalise else torch.full_like(pair_sigmas, lr)  # on the device
+        coefficients = (rho[self._pair_of] * self._scales).split([len(batch) for batch in self.batches])
+        pieces, steps = [], []
+        for batch, direction, coefficient in zip(self.batches, directions, coefficients):
+            if self.orthogonalise:
+                direction = newton_schulz(direction, batch[0].tp, self.ns_steps, wide=batch[0].wide)
+            update = direction.mul_(coefficient[:, None, None])  # a fresh tensor either way
+            for f, flat in zip(batch, update.view(len(batch), -1)):
+                for fragment in self.fragments(f.param):
+                    pieces.append(fragment.owner.view(-1)[fragment.offset:fragment.offset + fragment.numel])
+                    steps.append(flat[fragment.start:fragment.start + fragment.numel])
+        if pieces and decay:
+            torch._foreach_mul_(pieces, 1 - lr * decay)
+        if pieces:
+            torch._foreach_sub_(pieces, steps)
 
-    def _whole(self, param: nn.Parameter) -> torch.Tensor:
-        """The momentum direction of the whole (tensor-parallel shard of the) factor ``param``."""
-        fragments = self.fragments(param)
-        if not self.partitioned and fragments[0].owner is param:  # ZeRO-0: the optimizer holds the parameter itself
-            return self._directions[id(param)].float()
-        return self._assembled(param, lambda f: self._directions[id(f.owner)].reshape(-1))
+    def _whole_factors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per batch, its factors' weights and momentum directions, whole (each B x rows x cols, in the factors'
+        own layout, of this rank's tensor-parallel shard): below ZeRO-3 the weights are the module's copies; the
+        directions of partitioned factors, and at ZeRO-3 the fp32 master weights, come from every data-parallel
+        rank's partition by one all-gather (:class:`PartitionGather`). Not gathered through DeepSpeed: inside the
+        optimizer step, DeepSpeed before 0.19.8 trains on wrong values after a ``GatheredParameters`` there
+        (found by the lowest-version tests)."""
+        def stacked(flat_pieces: Callable[[Factor], list[torch.Tensor]]) -> list[torch.Tensor]:
+            """Per batch, its factors' elements (``flat_pieces(f)``: 1-D, in order) back to back, as B x rows x cols."""
+            return [torch.cat([piece for f in batch for piece in flat_pieces(f)]).view(len(batch),
+                                                                                    *full_shape(batch[0].param))
+                    for batch in self.batches]
 
-    def _whole_weight(self, param: nn.Parameter) -> torch.Tensor:
-        """The whole (tensor-parallel shard of the) factor ``param``: the module's copy below ZeRO-3, the fp32
-        masters assembled from every data-parallel rank at ZeRO-3 (which holds only a partition of it). Not
-        gathered through DeepSpeed: inside the optimizer step, DeepSpeed before 0.19.8 trains on wrong values
-        after a ``GatheredParameters`` there (found by the lowest-version tests)."""
-        if not hasattr(param, "ds_tensor"):
-            return param.detach()
-        return self._assembled(param, lambda f: f.owner.view(-1))
+        def module_copy(f: Factor) -> list[torch.Tensor]:
+            return [f.param.detach().reshape(-1)]
 
-    def _assembled(self, param: nn.Parameter, source: Callable[[Fragment], torch.Tensor]) -> torch.Tensor:
-        """``param``'s shape filled from this rank's fragments of it (``source(f)`` is the flat tensor a fragment
-        indexes) and summed over the data-parallel ranks, which hold the other fragments."""
-        shape = full_shape(param)
-        whole = torch.zeros(shape.numel(), dtype=torch.float32, device=param.device)
-        for f in self.fragments(param):
-            whole[f.start:f.start + f.numel] = source(f)[f.offset:f.offset + f.numel]
-        if self.partitioned:
-            dist.all_reduce(whole, group=self.dp_group)
-        return whole.view(shape)
+        if self.gather is None:  # ZeRO-0: the optimizer holds the parameters themselves
+            return stacked(module_copy), stacked(lambda f: [self._directions[id(f.param)].reshape(-1)])
+        owner = self.gather.owner
+        direction = None if owner is None else self._directions[id(owner)]
+        if not hasattr(self.batches[0][0].param, "ds_tensor"):  # ZeRO-1/2
+            gathered = self.gather.gather(direction)[0]
+            return stacked(module_copy), stacked(lambda f: self.gather.pieces(gathered, self._index[id(f.param)]))
+        gathered = self.gather.gather(owner, direction)  # (weights, directions)
+        return tuple(stacked(lambda f, g=g: self.gather.pieces(g, self._index[id(f.param)])) for g in gathered)
 
-    def _power_vectors(self, pair: FactorPair) -> list[torch.Tensor]:
-        """The pair's right singular-vector estimates (r each), kept across steps; seeded by its name."""
+    def _power_vectors(self) -> dict[str, list[torch.Tensor]]:
+        """Per pair, its factors' right singular-vector estimates (r each), kept across steps; seeded by its name."""
         group = next(g for g in self.param_groups if g["spectron"])
         vectors = self._state(group["params"][0], group)["power"]
-        if pair.name not in vectors:
-            generator = torch.Generator().manual_seed(zlib.crc32(pair.name.encode()))
-            start = torch.randn(2, pair.layer.rank, generator=generator)
-            vectors[pair.name] = list((start / start.norm(dim=1, keepdim=True)).to(pair.layer.A.device))
-        return vectors[pair.name]
+        for pair in self.pairs:
+            if pair.name not in vectors:
+                generator = torch.Generator().manual_seed(zlib.crc32(pair.name.encode()))
+                start = torch.randn(2, pair.layer.rank, generator=generator)
+                vectors[pair.name] = list((start / start.norm(dim=1, keepdim=True)).to(pair.layer.A.device))
+        return vectors
 
     def _state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]

@@ -1,0 +1,89 @@
+"""Spectron's optimizer step alone: kernels, collectives and time per step.
+
+    python benchmarks/spectron_step.py --out benchmarks/results/spectron_step.json
+
+Each layout trains a low-rank model with Spectron for ``--steps`` steps (fp32, sequences of 64, one
+sequence per data-parallel rank per step) and looks only at the client optimizer's ``step`` (at
+ZeRO-3 all of its calls in one engine step). The steps after the first are timed (the accelerator
+synchronised before each clock read); the last one is also counted: every ATen operation that is not
+a view (a kernel launch on a GPU: on CUDA the step is a chain of them, and with small factors their
+launch latency, not their arithmetic, sets its time), and every deepspeed.comm collective, by
+process group. Per-rank numbers are rank 0's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (REPO, Collectives, Kernels, benchmark_main, clock, markdown_table, run_workers,  # noqa: E402
+                    short_run_overrides, start_trainer, write_report)
+
+LAYOUTS = {  # name: (preset, tensor parallel, data parallel, ZeRO stage)
+    "130m-zero0": ("llama-130m", 1, 1, 0),
+    "130m-dp2-zero1": ("llama-130m", 1, 2, 1),
+    "9m-tp2-dp2-zero1": ("llama-9m", 2, 2, 1),
+    "9m-dp2-zero3": ("llama-9m", 1, 2, 3),
+}
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+
+
+def _run(args: argparse.Namespace) -> None:
+    results = []
+    for name in args.layouts:
+        preset, tp, dp, zero = LAYOUTS[name]
+        worker = {"preset": preset, "tp": tp, "dp": dp, "zero": zero, "steps": args.steps, "data": args.data}
+        results.append({"layout": name, **worker, **run_workers(__file__, tp * dp, worker)})
+    print(_table(results))
+    write_report(args.out, {"settings": {"steps": args.steps, "data": args.data}, "results": results})
+
+
+def _worker(a: dict, result: Path) -> None:
+    import deepspeed.comm as dist
+
+    overrides = short_run_overrides(a["preset"], a["data"], 64, a["steps"], 1, a["dp"], result.parent / "run")
+    trainer = start_trainer(overrides + ["model.layer=lowrank", "optimizer.name=spectron", "training.precision=fp32",
+                                         f"parallel.tensor_parallel={a['tp']}", f"parallel.zero_stage={a['zero']}",
+                                         f"logging.log_interval={a['steps']}"])
+    optimizer, step = trainer.optimizer, trainer.optimizer.step
+    kernels, collectives = Kernels(), Collectives()
+    seconds: dict[int, float] = {}  # engine step -> seconds in the client step (ZeRO-3 calls it per sub-group)
+
+    def measured_step(*args, **kwargs):
+        if trainer.step == a["steps"] - 1:  # the last step (trainer.step counts the finished ones): counted
+            with kernels.mode, collectives.counting():
+                return step(*args, **kwargs)
+        start = clock()
+        outcome = step(*args, **kwargs)
+        if trainer.step > 0:  # the first builds the state
+            seconds[trainer.step] = seconds.get(trainer.step, 0.0) + clock() - start
+        return outcome
+
+    optimizer.step = measured_step
+    trainer.run()
+    groups = {"tensor_parallel": trainer.parallel.tensor_parallel_group, "data_parallel": trainer.dp_group}
+    if dist.get_rank() == 0:
+        result.write_text(json.dumps({
+            "factor_pairs": len(optimizer.pairs), "kernels_per_step": kernels.count,
+            "collectives_per_step": {name: collectives.of(group) for name, group in groups.items()},
+            "step_seconds_median": statistics.median(seconds.values()), "steps_timed": len(seconds)}))
+
+
+def _table(results: list[dict]) -> str:
+    rows = [[r["layout"], str(r["factor_pairs"]), str(r["kernels_per_step"]),
+             str(r["collectives_per_step"]["tensor_parallel"]), str(r["collectives_per_step"]["data_parallel"]),
+             f"{r['step_seconds_median'] * 1e3:.1f}"] for r in results]
+    return markdown_table(["layout", "pairs", "kernels / step", "TP collectives / step", "DP collectives / step",
+                           "step (ms, median)"], "lrrrrr", rows)
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, _arguments, _run, _worker)
