@@ -15,7 +15,7 @@ import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 
-from megasparse.lowrank.layers import LowRankLinear
+from megasparse.lowrank.layers import LowRankLinear, SharedFactorisation, balanced_factors
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.optim.partitions import Fragment
@@ -215,8 +215,25 @@ def spectron_step_partitioned(tp: TensorParallel) -> float:
     return error + abs(len(gathers) - 2)
 
 
+def shared_factorisation(tp: TensorParallel) -> float:
+    """Layers factorised by SharedFactorisation (each rank takes every other layer's SVD, then the factors are
+    broadcast) equal layers that took every SVD themselves: a split column- and row-parallel pair and a whole
+    layer (largest relative difference; 0 expected)."""
+    def build(factorise):
+        torch.manual_seed(0)
+        column, row = ("column", "row") if tp.size > 1 else (None, None)
+        return torch.nn.ModuleList([LowRankLinear(16, 24, 6, WeightInit(0.3), tp, column, factorise),
+                                    LowRankLinear(24, 16, 5, WeightInit(0.3), tp, row, factorise),
+                                    LowRankLinear(16, 12, 4, WeightInit(0.3), factorise=factorise)])
+
+    shared = SharedFactorisation()
+    model = build(shared)
+    shared.share(model)
+    return max(relative(p, q) for p, q in zip(model.parameters(), build(balanced_factors).parameters()))
+
+
 CHECKS = [dense_pair, lowrank_pair, sparse_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
-          newton_schulz_split, spectron_step_collectives, spectron_step_partitioned]
+          newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, shared_factorisation]
 
 
 def main() -> None:

@@ -43,25 +43,42 @@ def balanced_factors(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
 
 class SharedFactorisation:
     """:func:`balanced_factors` for a model that every rank of the job builds at once, with the same draws in the
-    same order: the k-th factorised layer's SVD runs on rank k mod N, on its accelerator, and the factors are
-    broadcast from there, so each rank takes 1/N of the SVDs (llama-1b has 168, of up to 2048 x 5461 in float64:
-    seconds each on a CPU) and every rank holds the same factors as if it had taken them all."""
+    same order, in two steps. Passed as the layers' ``factorise``, it takes the SVD of the k-th factorised layer on
+    rank k mod N only, on its accelerator, and gives the other ranks zeros for now; :meth:`share` then broadcasts
+    every layer's factors from the rank that computed them. So the ranks take the SVDs side by side, 1/N each
+    (llama-1b has 168, of up to 2048 x 5461 in float64: seconds each on a CPU), and every rank ends with the same
+    factors as if it had taken them all."""
 
     def __init__(self) -> None:
-        self.layers = 0
+        self.shapes: list[tuple[int, int, int]] = []  # (out, in, rank) of each call, in order
+        self.computed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's layers' whole factors
+
+    def _owner(self, layer: int) -> int:
+        return layer % dist.get_world_size()
 
     def __call__(self, weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        owner = self.layers % dist.get_world_size()
-        self.layers += 1
-        device = get_accelerator().current_device_name()
-        if dist.get_rank() == owner:
-            a, b = balanced_factors(weight.to(device), rank)
-        else:
-            a = torch.empty(weight.shape[0], rank, device=device)
-            b = torch.empty(rank, weight.shape[1], device=device)
-        dist.broadcast(a, src=owner)
-        dist.broadcast(b, src=owner)
+        layer = len(self.shapes)
+        self.shapes.append((weight.shape[0], weight.shape[1], rank))
+        if dist.get_rank() != self._owner(layer):
+            return weight.new_zeros(weight.shape[0], rank), weight.new_zeros(rank, weight.shape[1])
+        a, b = balanced_factors(weight.to(get_accelerator().current_device_name()), rank)
+        self.computed[layer] = (a, b)
         return a.to(weight.device), b.to(weight.device)
+
+    @torch.no_grad()
+    def share(self, model: nn.Module) -> None:
+        """Give ``model``'s low-rank layers (built with this factorisation, in that order) their factors."""
+        layers = [m for m in model.modules() if isinstance(m, LowRankLinear)]
+        if [(m.out_features, m.in_features, m.rank) for m in layers] != self.shapes:
+            raise RuntimeError("SharedFactorisation.share: the model's low-rank layers are not the ones it factorised")
+        device = get_accelerator().current_device_name()
+        for number, layer in enumerate(layers):
+            out_features, in_features, rank = self.shapes[number]
+            a, b = self.computed.pop(number, (torch.empty(out_features, rank, device=device),
+                                              torch.empty(rank, in_features, device=device)))
+            dist.broadcast(a, src=self._owner(number))
+            dist.broadcast(b, src=self._owner(number))
+            layer.load_factors(a, b)
 
 
 class LowRankLinear(nn.Module):
@@ -75,6 +92,13 @@ class LowRankLinear(nn.Module):
         self.A = sharded_parameter(a, tp, dim=0 if parallel == "column" else None)
         self.B = sharded_parameter(b, tp, dim=1 if parallel == "row" else None)
         self.A.lowrank_factor = self.B.lowrank_factor = True  # their optimizer group (megasparse.optim.groups)
+
+    @torch.no_grad()
+    def load_factors(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Set the whole layer's factors A (out x r) and B (r x in); this rank keeps its shard of each."""
+        for param, whole, dim in ((self.A, a, 0 if self.parallel == "column" else None),
+                                  (self.B, b, 1 if self.parallel == "row" else None)):
+            param.copy_(whole if dim is None else whole.chunk(self.tp.size, dim)[self.tp.rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.B)

@@ -169,6 +169,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         factorise = SharedFactorisation() if dist.get_world_size() > 1 else balanced_factors
         model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp, factorise))
+        if isinstance(factorise, SharedFactorisation):
+            factorise.share(model)
         if cfg.checkpoint.init_from and not self.resume_from:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
                                 self.data.tokenizer_sha256, tp)
