@@ -34,7 +34,10 @@ setup(
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb"],  # transformers, protobuf: HF export/import tests; wandb: its logging test
+        "plot": ["matplotlib"],
+        "hf": ["transformers"],  # megasparse generate
+        # transformers, protobuf: HF export/import tests; wandb: its logging test; matplotlib: megasparse plot's
+        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb", "matplotlib"],
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
 )

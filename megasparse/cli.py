@@ -1,10 +1,12 @@
-"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train``, ``launch``, ``inspect`` and ``convert``."""
+"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train``, ``launch``, ``inspect``, ``convert`` and
+``plot``."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -55,7 +57,23 @@ def _parser() -> argparse.ArgumentParser:
 
     add_launch_commands(commands)
     add_checkpoint_commands(commands)
+
+    plot = commands.add_parser("plot", help="draw training runs' curves: loss, learning rate, gradient norm, "
+                                            "tokens/s, SMET's topology updates, Spectron's spectral norms")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN",
+                      help="a run's training.output_dir, or its metrics.jsonl")
+    plot.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="the image (png, pdf, svg, ...)")
+    plot.add_argument("--x", choices=["step", "tokens"], default="step", help="the x axis (default: step)")
+    plot.add_argument("--smooth", type=float, default=0.6, metavar="W",
+                      help="exponential-moving-average weight for the training loss, in [0, 1) (default 0.6; 0: raw)")
+    plot.set_defaults(run=_plot)
     return parser
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from megasparse.plot import write_plot
+
+    write_plot(args.runs, args.out, args.x, args.smooth)
 
 
 def _config_arguments(parser: argparse.ArgumentParser, required: bool) -> None:

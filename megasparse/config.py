@@ -285,6 +285,9 @@ class LoggingConfig:
     wandb_project: str = "megasparse"
     wandb_entity: str = ""  # empty: the W&B account's default
     wandb_name: str = ""  # empty: the name of training.output_dir
+    sample_interval: int = number(0, ge=0)  # steps between printed and logged samples; 0: none
+    sample_prompt: str = ""  # what the samples continue; empty: the start of a document
+    sample_tokens: int = number(32, gt=0)  # tokens per sample
 
 
 @dataclass
@@ -342,6 +345,9 @@ class Config:
         _require(m.n_heads % m.kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} must divide model.n_heads={m.n_heads}")
         _require(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
                  f"{t.global_batch_size} is not a multiple of training.micro_batch_size={t.micro_batch_size}")
+        _require(not self.logging.sample_interval or self.logging.sample_tokens < self.data.seq_len,
+                 "logging.sample_tokens",
+                 f"{self.logging.sample_tokens} leaves no room for a prompt in data.seq_len={self.data.seq_len}")
         self._validate_methods()
         self._validate_tensor_parallel()
         _check_deepspeed_block(self.deepspeed)

@@ -147,6 +147,34 @@ def test_export_hf_logits_and_tokenizer(runs, tmp_path, method, zero, nproc, tp)
     assert tokenizer(text)["input_ids"] == load_tokenizer(tmp_path / "hf" / "tokenizer.model").encode(text)
 
 
+def test_factored_export_loads_matches_the_dense_export_and_generates(runs, tmp_path):
+    """``--lowrank factored`` from a Spectron checkpoint of 2 tensor-parallel ranks: transformers builds the
+    folder's own model (trust_remote_code), which holds the factors and no W; its logits equal the dense export's
+    within 1e-4 (fp32), and greedy generation with the KV cache gives the dense export's tokens."""
+    tag = trained(runs, "spectron", 2, 2, 2)
+    megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "dense")).check()
+    megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "factored"), "--lowrank", "factored").check()
+    dense = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    factored = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "factored", trust_remote_code=True).eval()
+    assert type(factored).__name__ == "FactoredLlamaForCausalLM"
+    names = {name for name, _ in factored.named_parameters()}
+    assert "model.layers.0.self_attn.q_proj.A" in names and "model.layers.0.self_attn.q_proj.weight" not in names
+    assert sum(p.numel() for p in factored.parameters()) < 0.8 * sum(p.numel() for p in dense.parameters())
+    tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (factored(tokens).logits - dense(tokens).logits).abs().max() <= 1e-4
+        prompt = tokens[:1, :8]
+        greedy = dict(max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+        assert torch.equal(factored.generate(prompt, **greedy), dense.generate(prompt, **greedy))
+
+
+def test_factored_export_needs_a_lowrank_checkpoint(runs, tmp_path):
+    one_error_line(megasparse_here("convert", "export-hf", str(trained(runs, "smet", 2, 2, 1)), "--out",
+                                   str(tmp_path / "hf"), "--lowrank", "factored"),
+                   "--lowrank factored: this checkpoint's projections are sparse, not low-rank")
+    assert not (tmp_path / "hf").exists()
+
+
 def first_batch_loss(model: torch.nn.Module, dataset: Path, seed: int) -> float:
     """The loss of ``model`` on the first global batch of tiny_config's run (8 sequences of 32 tokens)."""
     windows = open_prepared(dataset).split("train", 32)

@@ -1,4 +1,4 @@
-"""``megasparse inspect`` and ``megasparse convert {consolidate,reshard,export-hf,import-hf}``.
+"""``megasparse inspect``, ``megasparse generate`` and ``megasparse convert {consolidate,reshard,export-hf,import-hf}``.
 
 Every converter checks its input completely before writing, writes into a temporary sibling of
 ``--out`` and renames it at the end, so a failure leaves nothing behind and never overwrites.
@@ -10,12 +10,31 @@ import json
 from pathlib import Path
 
 from megasparse.errors import UserError
+from megasparse.model.sampling import Sampling
 
 
 def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser("inspect", help="describe a checkpoint and check that its files are readable")
     inspect.add_argument("checkpoint", help="a checkpoint (step_N directory), checkpoint directory or run directory")
     inspect.set_defaults(run=_inspect)
+
+    generate = commands.add_parser("generate", help="sample text from a checkpoint of any layout (KV cache, CPU "
+                                                    "or GPU; needs megasparse[hf])")
+    generate.add_argument("checkpoint", help="a checkpoint (step_N directory), checkpoint directory or run directory")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (default 64)")
+    defaults = Sampling()
+    generate.add_argument("--temperature", type=float, default=defaults.temperature,
+                          help=f"softmax temperature; 0: greedy (default {defaults.temperature})")
+    generate.add_argument("--top-k", type=int, default=defaults.top_k,
+                          help=f"sample among the k most likely tokens; 0: all (default {defaults.top_k})")
+    generate.add_argument("--top-p", type=float, default=defaults.top_p,
+                          help="then among the most likely tokens whose probabilities reach p "
+                               f"(default {defaults.top_p})")
+    generate.add_argument("--seed", type=int, default=1234, help="the draws' seed (default 1234)")
+    generate.add_argument("--device", help="where to run (default: DeepSpeed's accelerator, e.g. cuda:0 or cpu)")
+    _dtype(generate)
+    generate.set_defaults(run=_generate)
 
     convert = commands.add_parser("convert", help="convert checkpoints: consolidate, reshard, export-hf, import-hf")
     kinds = convert.add_subparsers(dest="conversion", required=True)
@@ -36,9 +55,13 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     _source_and_out(reshard)
     reshard.set_defaults(run=_reshard)
 
-    export = kinds.add_parser("export-hf", help="a Hugging Face LlamaForCausalLM folder (dense weights)")
+    export = kinds.add_parser("export-hf", help="a Hugging Face LlamaForCausalLM folder (dense weights, or "
+                                                "low-rank projections kept factored)")
     _source_and_out(export)
     _dtype(export)
+    export.add_argument("--lowrank", choices=["dense", "factored"], default="dense",
+                        help="low-rank projections as W = A B (default: a plain LlamaForCausalLM) or kept as A and "
+                             "B (its modeling code in the folder: load with trust_remote_code=True)")
     export.set_defaults(run=_export_hf)
 
     imp = kinds.add_parser("import-hf", help="a Hugging Face LLaMA folder into a model directory to continue "
@@ -68,6 +91,33 @@ def _inspect(args: argparse.Namespace) -> None:
     from megasparse.convert.inspect import describe
 
     print("\n".join(describe(open_checkpoint(args.checkpoint))))
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from megasparse.checkpoint.weights import DTYPES
+    from megasparse.convert.generate import generate, load_causal_lm
+
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise UserError(f"--{str(exc).replace('_', '-')}") from None
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    if args.device:
+        try:
+            torch.empty(0, device=args.device)
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(f"--device {args.device}: {str(exc).splitlines()[0]}") from None
+    else:
+        from deepspeed.accelerator import get_accelerator
+
+        args.device = get_accelerator().current_device_name()
+    model, tokenizer, step = load_causal_lm(Path(args.checkpoint), args.device, DTYPES[args.dtype])
+    text = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, args.seed)
+    print(f"# step {step} of {args.checkpoint}, {args.device}, seed {args.seed}")
+    print(args.prompt + text)
 
 
 def _whole_state(args: argparse.Namespace):
@@ -114,9 +164,10 @@ def _export_hf(args: argparse.Namespace) -> None:
 
     checkpoint, state, tokenizer = _whole_state(args)
     with new_directory(Path(args.out)) as tmp:
-        write_hf_folder(tmp, state.weights, checkpoint.config, state.meta.vocab_size, tokenizer, DTYPES[args.dtype])
-    print(f"exported step {state.meta.step} of {checkpoint.tag_dir} to {args.out} "
-          f"(LlamaForCausalLM, {args.dtype})")
+        write_hf_folder(tmp, state.weights, checkpoint.config, state.meta.vocab_size, tokenizer, DTYPES[args.dtype],
+                        args.lowrank)
+    kind = "FactoredLlamaForCausalLM, trust_remote_code=True" if args.lowrank == "factored" else "LlamaForCausalLM"
+    print(f"exported step {state.meta.step} of {checkpoint.tag_dir} to {args.out} ({kind}, {args.dtype})")
 
 
 def _import_hf(args: argparse.Namespace) -> None:

@@ -23,9 +23,11 @@ from megasparse.checkpoint.weights import portable_tensors
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear, balanced_factors
+from megasparse.model.factory import low_ranks
 from megasparse.sparse.layer import SparseLinear
 
 HF_WEIGHTS = "model.safetensors"
+FACTORED_MODULE = "modeling_factored_llama"  # the factored model's code, in an exported folder
 HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -46,16 +48,34 @@ def hf_config(cfg: Config, vocab_size: int, dtype: torch.dtype) -> dict[str, Any
     }
 
 
+def hf_tensors(weights: dict[str, torch.Tensor], cfg: Config, vocab_size: int, dtype: torch.dtype,
+               lowrank: str = "dense") -> dict[str, torch.Tensor]:
+    """The whole-model ``weights`` as ``LlamaForCausalLM``'s tensors, Hugging Face's names: sparse projections
+    dense, low-rank ones dense (W = A B) or, with ``lowrank="factored"``, as their factors ``.A`` and ``.B``."""
+    portable = portable_tensors(weights, reference_model(cfg, vocab_size), sparse="dense",
+                                lowrank="factors" if lowrank == "factored" else "dense")
+    return {hf_name(name): t.to(dtype).contiguous() for name, t in portable.items()}
+
+
 def write_hf_folder(directory: Path, weights: dict[str, torch.Tensor], cfg: Config, vocab_size: int,
-                    tokenizer: Path, dtype: torch.dtype) -> None:
+                    tokenizer: Path, dtype: torch.dtype, lowrank: str = "dense") -> None:
     """``config.json``, ``model.safetensors`` and the tokenizer (``tokenizer.model`` with its
-    ``tokenizer_config.json``) of the whole-model ``weights``."""
+    ``tokenizer_config.json``) of the whole-model ``weights``; with ``lowrank="factored"`` also
+    ``modeling_factored_llama.py`` (:mod:`megasparse.convert.factored_llama`), which ``config.json`` names."""
     from megasparse.data.tokenizer import load_tokenizer
 
-    dense = portable_tensors(weights, reference_model(cfg, vocab_size), sparse="dense", lowrank="dense")
-    tensors = {hf_name(name): t.to(dtype).contiguous() for name, t in dense.items()}
-    save_file(tensors, str(directory / HF_WEIGHTS), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config(cfg, vocab_size, dtype), indent=2) + "\n")
+    config = hf_config(cfg, vocab_size, dtype)
+    if lowrank == "factored":
+        if cfg.model.layer != "lowrank":
+            raise UserError(f"--lowrank factored: this checkpoint's projections are {cfg.model.layer}, not low-rank")
+        shutil.copyfile(Path(__file__).with_name("factored_llama.py"), directory / f"{FACTORED_MODULE}.py")
+        config.update(architectures=["FactoredLlamaForCausalLM"], model_type="factored_llama",
+                      lowrank_ranks=low_ranks(cfg),
+                      auto_map={"AutoConfig": f"{FACTORED_MODULE}.FactoredLlamaConfig",
+                                "AutoModelForCausalLM": f"{FACTORED_MODULE}.FactoredLlamaForCausalLM"})
+    save_file(hf_tensors(weights, cfg, vocab_size, dtype, lowrank), str(directory / HF_WEIGHTS),
+              metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
     pieces = load_tokenizer(tokenizer)
     special = {"unk_token": pieces.id_to_piece(pieces.unk_id()), "bos_token": pieces.id_to_piece(pieces.bos_id()),

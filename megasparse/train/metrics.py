@@ -73,6 +73,18 @@ class MetricsLogger:
         elif event == "eval":
             self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
+    def text(self, event: str, step: int, text: str) -> None:
+        """A line of text (a sample): to metrics.jsonl, TensorBoard's text tab, W&B and the progress output."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"event": event, "step": step, "text": text}) + "\n")
+        self._file.flush()
+        if self._board is not None:
+            self._board.add_text(event, text, step)
+        if self._wandb is not None:
+            self._wandb.log({event: text}, step=step)
+        self._bar.write(f"step {step} {event}: {text!r}")
+
     def advance(self) -> None:
         if self.enabled:
             self._bar.update()

@@ -29,10 +29,11 @@ from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
-from megasparse.data.tokenizer import file_sha256
+from megasparse.data.tokenizer import file_sha256, load_tokenizer
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_gradient, poison_loss
 from megasparse.lowrank.layers import SharedFactorisation, balanced_factors
+from megasparse.model.sampling import Sampling, continue_tokens
 from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
@@ -314,6 +315,9 @@ class Trainer:
             if t.eval_samples > 0 and self._due(t.eval_interval, at_end=True):
                 self._evaluate()
                 window_start = time.perf_counter()
+            if self._due(cfg.logging.sample_interval, at_end=False):
+                self._sample()
+                window_start = time.perf_counter()
             if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final):
                 self._save()
                 window_start = time.perf_counter()
@@ -392,6 +396,28 @@ class Trainer:
         dist.all_reduce(totals, group=self.dp_group)
         val_loss = (totals[0] / totals[1]).item()
         self.metrics.log("eval", self.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+
+    @torch.no_grad()
+    def _sample(self) -> None:
+        """``logging.sample_tokens`` tokens after ``logging.sample_prompt``, drawn on every rank with the same seed
+        (rank 0's token taken by all at each step: the ranks run the model together), printed and logged by
+        rank 0."""
+        cfg = self.cfg.logging
+        pieces = load_tokenizer(self.data.tokenizer_path)
+        room = self.cfg.data.seq_len - cfg.sample_tokens  # the positions the model was trained on
+        prompt = [pieces.eos_id(), *pieces.encode(cfg.sample_prompt)][-room:]
+        generator = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed + self.step)
+
+        def agree(token: torch.Tensor) -> torch.Tensor:
+            dist.broadcast(token, src=0)
+            return token
+
+        self.engine.eval()
+        tokens = continue_tokens(self.engine, prompt, cfg.sample_tokens, Sampling(), generator, pieces.eos_id(), agree)
+        self.engine.train()
+        if pieces.eos_id() in tokens:
+            tokens = tokens[:tokens.index(pieces.eos_id())]
+        self.metrics.text("sample", self.step, cfg.sample_prompt + pieces.decode(tokens))
 
     def _optimizer_statistics(self) -> dict[str, float]:
         """Spectron: the largest and mean sigma_A + sigma_B over the factor pairs at the last step."""

@@ -1,0 +1,54 @@
+"""``megasparse generate``: text from a checkpoint of any layout, through Hugging Face's ``LlamaForCausalLM``.
+
+The checkpoint's whole weights (read as ``convert consolidate`` reads them) become a Llama in memory, with
+dense projections (W = A B for low-rank layers, the masked matrix for sparse ones), on the accelerator; the
+prompt is encoded with the checkpoint's tokenizer after an end-of-document token (megasparse trains on
+documents that each follow one), and tokens are drawn one at a time with :class:`~megasparse.model.sampling.
+Sampling`, reusing the key-value cache, until ``max_new_tokens`` or the end of the document. Needs
+``transformers`` (``pip install 'megasparse[hf]'``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megasparse.errors import UserError
+from megasparse.model.sampling import Sampling
+
+
+def load_causal_lm(checkpoint_path: Path, device: str, dtype: torch.dtype):
+    """(the checkpoint's model as a ``LlamaForCausalLM`` on ``device``, its SentencePiece tokenizer, its step)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise UserError("megasparse generate needs transformers: pip install 'megasparse[hf]'") from None
+    from megasparse.checkpoint.files import open_checkpoint
+    from megasparse.checkpoint.state import read_training_state
+    from megasparse.convert.hf import hf_config, hf_tensors
+    from megasparse.data.tokenizer import load_tokenizer
+
+    checkpoint = open_checkpoint(checkpoint_path)
+    state = read_training_state(checkpoint)
+    cfg, vocab_size = checkpoint.config, state.meta.vocab_size
+    model = LlamaForCausalLM(LlamaConfig(**hf_config(cfg, vocab_size, dtype))).to(dtype)
+    model.load_state_dict(hf_tensors(state.weights, cfg, vocab_size, dtype), strict=not cfg.model.tie_embeddings)
+    return model.to(device).eval(), load_tokenizer(checkpoint.tokenizer()), state.meta.step
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int) -> str:
+    """The continuation of ``prompt`` (without the prompt)."""
+    device = model.device
+    ids = torch.tensor([[tokenizer.eos_id(), *tokenizer.encode(prompt)]], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model(input_ids=ids, use_cache=True)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        token = sampling.next_tokens(out.logits[:, -1], generator)
+        value = token.item()
+        if value == tokenizer.eos_id():
+            break
+        new.append(value)
+        out = model(input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True)
+    return tokenizer.decode(new)
