@@ -42,12 +42,14 @@ class Run:
     def _x(self, record: dict[str, Any], x: str) -> float | None:
         if x == "step":
             return record["step"]
-        return record.get("tokens", self._tokens_at(record["step"]))
+        if "tokens" in record:
+            return record["tokens"]
+        per_step = self._tokens_per_step()  # records without them: evaluations, topology updates
+        return None if per_step is None else per_step * record["step"]
 
-    def _tokens_at(self, step: int) -> float | None:
-        """Training tokens at ``step`` for records that do not carry them (evaluations, topology updates)."""
-        logged = [r for r in self.events.get("train", []) if "tokens" in r and r["step"] > 0]
-        return logged[0]["tokens"] / logged[0]["step"] * step if logged else None
+    def _tokens_per_step(self) -> float | None:
+        logged = next((r for r in self.events.get("train", []) if "tokens" in r and r["step"] > 0), None)
+        return None if logged is None else logged["tokens"] / logged["step"]
 
 
 def load_run(path: Path) -> Run:

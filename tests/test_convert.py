@@ -166,6 +166,8 @@ def test_factored_export_loads_matches_the_dense_export_and_generates(runs, tmp_
         prompt = tokens[:1, :8]
         greedy = dict(max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
         assert torch.equal(factored.generate(prompt, **greedy), dense.generate(prompt, **greedy))
+    one_error_line(megasparse_here("convert", "import-hf", str(tmp_path / "factored"), "--out", str(tmp_path / "back")),
+                   "this is a factored export (export-hf --lowrank factored), which import-hf does not read")
 
 
 def test_factored_export_needs_a_lowrank_checkpoint(runs, tmp_path):

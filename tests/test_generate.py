@@ -11,7 +11,7 @@ from helpers import megasparse, megasparse_here, one_error_line, tiny_config, wr
 from megasparse.checkpoint.files import open_checkpoint, reference_model
 from megasparse.checkpoint.state import read_training_state
 from megasparse.convert.generate import generate, load_causal_lm
-from megasparse.data.tokenizer import load_tokenizer
+from megasparse.data.tokenizer import continuation, load_tokenizer
 from megasparse.model.sampling import Sampling, continue_tokens
 
 PROMPT = "def parse(self, text):"
@@ -21,6 +21,13 @@ def frequencies(sampling: Sampling, logits: torch.Tensor, draws: int = 4000) -> 
     generator = torch.Generator().manual_seed(0)
     tokens = sampling.next_tokens(logits.expand(draws, -1), generator)
     return torch.bincount(tokens, minlength=logits.shape[-1]) / draws
+
+
+def test_a_continuation_keeps_the_space_before_its_first_word(dataset):
+    """SentencePiece drops a text's leading space, so the new tokens are decoded after the prompt, not alone."""
+    pieces = load_tokenizer(dataset / "tokenizer.model")
+    prompt, new = pieces.encode("return"), pieces.encode("return value")[len(pieces.encode("return")):]
+    assert continuation(pieces, prompt, new + [pieces.eos_id()] + new) == " value"
 
 
 def test_sampling_keeps_the_top_k_and_the_nucleus_and_renormalises():
@@ -56,9 +63,9 @@ def own_model(tag_dir):
 def without_cache(tag_dir, prompt: str, tokens: int, sampling: Sampling, seed: int) -> str:
     """The continuation of ``prompt`` by megasparse's own model, every step recomputed from the whole sequence."""
     model, pieces = own_model(tag_dir)
-    new = continue_tokens(model, [pieces.eos_id(), *pieces.encode(prompt)], tokens, sampling,
-                          torch.Generator().manual_seed(seed), pieces.eos_id())
-    return pieces.decode(new[:new.index(pieces.eos_id())] if pieces.eos_id() in new else new)
+    prompt_ids = [pieces.eos_id(), *pieces.encode(prompt)]
+    new = continue_tokens(model, prompt_ids, tokens, sampling, torch.Generator().manual_seed(seed), pieces.eos_id())
+    return continuation(pieces, prompt_ids, new)
 
 
 @pytest.mark.parametrize("layout", [dict(zero=0, nproc=1, method="dense"), dict(zero=2, nproc=2, method="smet"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from megasparse.data.tokenizer import continuation
 from megasparse.errors import UserError
 from megasparse.model.sampling import Sampling
 
@@ -40,15 +41,13 @@ def load_causal_lm(checkpoint_path: Path, device: str, dtype: torch.dtype):
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int) -> str:
     """The continuation of ``prompt`` (without the prompt)."""
     device = model.device
-    ids = torch.tensor([[tokenizer.eos_id(), *tokenizer.encode(prompt)]], device=device)
+    prompt_ids = [tokenizer.eos_id(), *tokenizer.encode(prompt)]
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model(input_ids=ids, use_cache=True)
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
     new: list[int] = []
-    for _ in range(max_new_tokens):
+    while True:
         token = sampling.next_tokens(out.logits[:, -1], generator)
-        value = token.item()
-        if value == tokenizer.eos_id():
-            break
-        new.append(value)
+        new.append(token.item())
+        if new[-1] == tokenizer.eos_id() or len(new) == max_new_tokens:
+            return continuation(tokenizer, prompt_ids, new)
         out = model(input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True)
-    return tokenizer.decode(new)

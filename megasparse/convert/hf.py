@@ -124,6 +124,9 @@ def megasparse_config(hf: dict[str, Any], layer: str, overrides: dict[str, dict[
                if key not in hf]
     if missing:
         raise UserError(f"the Hugging Face config.json has no {', '.join(missing)}")
+    if hf.get("model_type") == "factored_llama":
+        raise UserError("this is a factored export (export-hf --lowrank factored), which import-hf does not read: "
+                        "export the checkpoint dense (the default) to continue from it, or resume the checkpoint")
     rope = hf.get("rope_parameters") or {}
     unsupported = {"model_type": hf.get("model_type") != "llama", "hidden_act": hf.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(hf.get("attention_bias")), "mlp_bias": bool(hf.get("mlp_bias")),

@@ -46,6 +46,15 @@ def load_tokenizer(path: Path) -> spm.SentencePieceProcessor:
     return processor
 
 
+def continuation(processor: spm.SentencePieceProcessor, prompt: list[int], new: list[int]) -> str:
+    """The text that the tokens ``new`` add after ``prompt``, up to the first end-of-document token: decoded
+    together with the prompt and cut after it, since a piece decodes differently at the start of a text
+    (SentencePiece drops its leading space there)."""
+    eos = processor.eos_id()
+    new = new[:new.index(eos)] if eos in new else new
+    return processor.decode(prompt + new)[len(processor.decode(prompt)):]
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

@@ -27,9 +27,13 @@ factors step along AdamW's direction m_hat / (sqrt(v_hat) + eps) (their own mome
 off); without renormalisation rho = eta_t. Both off is plain low-rank AdamW at rate eta_t.
 
 Batching. The step handles all factors of one kind (A or B), local shape and split at once, as a
-batch (:func:`factor_batches`: q, k, v and o of every layer share theirs), with batched matrix
+batch (:func:`factor_batches`: a projection's factors in every layer share one, and so do projections of
+one shape and split, such as q, k, v and o at TP 1 without grouped-query attention), with batched matrix
 products, so its kernels and collectives do not grow with depth: the pairs' rates rho come from
 their sigmas by one index-add, and the updates go back into this rank's pieces with ``_foreach`` ops.
+The price is transient memory: every batch's whole weights and directions exist at once during the step
+(at ZeRO-1/2/3 with the all-gather's buffer of every rank's partition), where the per-pair step held one
+factor's at a time.
 
 Placement. The factors of a tensor-parallel layer are split over the tensor-parallel group
 (A by rows in a column-parallel layer, B by columns in a row-parallel one); Newton-Schulz and
@@ -206,6 +210,7 @@ class Spectron(torch.optim.Optimizer):
             for f, v in zip(batch, end.unbind()):
                 vectors[self.pairs[f.pair].name][f.which] = v
             sigmas.append(sigma)
+        del weights
         pair_sigmas = torch.zeros(len(self.pairs), device=self._pair_of.device).index_add_(0, self._pair_of,
                                                                                            torch.cat(sigmas))
         self.spectral_norms = dict(zip((pair.name for pair in self.pairs), pair_sigmas.unbind()))

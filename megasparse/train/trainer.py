@@ -29,7 +29,7 @@ from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
-from megasparse.data.tokenizer import file_sha256, load_tokenizer
+from megasparse.data.tokenizer import continuation, file_sha256, load_tokenizer
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_gradient, poison_loss
 from megasparse.lowrank.layers import SharedFactorisation, balanced_factors
@@ -312,15 +312,14 @@ class Trainer:
                 window_loss.zero_()
                 window_steps, window_start = 0, time.perf_counter()
             self.metrics.advance()
+            paused = time.perf_counter()  # what follows is left out of the window's time, not its steps
             if t.eval_samples > 0 and self._due(t.eval_interval, at_end=True):
                 self._evaluate()
-                window_start = time.perf_counter()
             if self._due(cfg.logging.sample_interval, at_end=False):
                 self._sample()
-                window_start = time.perf_counter()
             if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final):
                 self._save()
-                window_start = time.perf_counter()
+            window_start += time.perf_counter() - paused
             if self.step < t.steps and stop_agreed:
                 self._stop_early(stop)
                 break
@@ -415,9 +414,7 @@ class Trainer:
         self.engine.eval()
         tokens = continue_tokens(self.engine, prompt, cfg.sample_tokens, Sampling(), generator, pieces.eos_id(), agree)
         self.engine.train()
-        if pieces.eos_id() in tokens:
-            tokens = tokens[:tokens.index(pieces.eos_id())]
-        self.metrics.text("sample", self.step, cfg.sample_prompt + pieces.decode(tokens))
+        self.metrics.text("sample", self.step, cfg.sample_prompt + continuation(pieces, prompt, tokens))
 
     def _optimizer_statistics(self) -> dict[str, float]:
         """Spectron: the largest and mean sigma_A + sigma_B over the factor pairs at the last step."""
