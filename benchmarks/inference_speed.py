@@ -64,6 +64,8 @@ def _timed(model, batch: int, prompt: int, new: int, vocab: int) -> tuple[float,
     """(prefill tokens/s, decode tokens/s) of one run."""
     import torch
 
+    from megasparse.convert.generate import cache_keyword
+
     tokens = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         start = time.perf_counter()
@@ -71,8 +73,9 @@ def _timed(model, batch: int, prompt: int, new: int, vocab: int) -> tuple[float,
         prefill = time.perf_counter() - start
         next_token = out.logits[:, -1:].argmax(-1)
         start = time.perf_counter()
+        cache = cache_keyword(model)
         for _ in range(new):
-            out = model(input_ids=next_token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=next_token, **{cache: getattr(out, cache)}, use_cache=True)
             next_token = out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - start
     return batch * prompt / prefill, batch * new / decode

@@ -79,6 +79,13 @@ def test_greedy_generation_equals_the_model_run_without_a_cache(runs, layout):
     assert text and text == without_cache(tag_dir, PROMPT, 12, Sampling(temperature=0), seed=0)
 
 
+def test_generating_past_the_trained_positions_warns(runs):
+    model, tokenizer, _ = load_causal_lm(runs(0, 1, 1, method="dense") / "checkpoints" / "step_00000008", "cpu",
+                                         torch.float32)
+    with pytest.warns(UserWarning, match="run past the 32 positions the model was trained on"):
+        generate(model, tokenizer, PROMPT, 40, Sampling(), seed=0)
+
+
 def test_the_command_repeats_a_sample_for_a_seed(runs):
     run = runs(0, 1, 1, method="spectron")
 
