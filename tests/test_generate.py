@@ -116,10 +116,13 @@ def test_generate_from_a_missing_checkpoint(tmp_path):
     assert result.returncode == 2 and "nothing" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_run_logs_samples_that_its_checkpoint_repeats(dataset, tmp_path):
-    """``logging.sample_interval`` at 2 tensor-parallel ranks: samples at steps 4 and 8 in metrics.jsonl, and the
-    one at step 8 equals what the step-8 checkpoint gives in one process with the run's seed (1234 + 8)."""
-    cfg = tiny_config(dataset, tmp_path / "run", "dense", parallel={"tensor_parallel": 2},
+@pytest.mark.parametrize("parallel,training", [({"tensor_parallel": 2}, {}),
+                                               ({"zero_stage": 3}, {"micro_batch_size": 4})])
+def test_a_run_logs_samples_that_its_checkpoint_repeats(dataset, tmp_path, parallel, training):
+    """``logging.sample_interval`` on 2 ranks (tensor-parallel, and ZeRO-3 data-parallel, whose forward passes
+    gather the weights): samples at steps 4 and 8 in metrics.jsonl, and the one at step 8 equals what the step-8
+    checkpoint gives in one process with the run's seed (1234 + 8)."""
+    cfg = tiny_config(dataset, tmp_path / "run", "dense", parallel=parallel, training=training,
                       logging={"sample_interval": 4, "sample_prompt": "def ", "sample_tokens": 8})
     megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), nproc=2).check()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -4,8 +4,9 @@ With logits z over the vocabulary and temperature tau > 0, the candidates are th
 (``top_k``; 0: all), then the smallest set of those, most likely first, whose probabilities reach ``top_p``
 (1: all; the most likely token is always kept); the next token is drawn from softmax(z / tau) renormalised
 over the candidates. tau = 0 takes the most likely token (greedy). The draw uses the given generator, so a
-seed repeats a sample, and the same seed on every rank draws the same token. The defaults (0.8, 50, 0.95)
-are the common ones of nanoGPT's and Hugging Face's sampling scripts.
+seed repeats a sample, and the same seed on every rank draws the same token. The defaults: temperature 0.8
+as nanoGPT's sample.py, top-k 50 as Hugging Face's ``generate``, and a nucleus of 0.95, a common setting
+(neither of those two filters by top-p by default).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_
 from megasparse.data.tokenizer import continuation, file_sha256, load_tokenizer
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_gradient, poison_loss
-from megasparse.lowrank.layers import SharedFactorisation, balanced_factors
+from megasparse.lowrank.layers import SharedFactorisation
 from megasparse.model.sampling import Sampling, continue_tokens
 from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.model.execution import checkpoint_blocks, compile_blocks
@@ -168,10 +168,9 @@ class Trainer:
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
 
         torch.manual_seed(t.seed)
-        factorise = SharedFactorisation() if dist.get_world_size() > 1 else balanced_factors
+        factorise = SharedFactorisation()
         model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp, factorise))
-        if isinstance(factorise, SharedFactorisation):
-            factorise.share(model)
+        factorise.share(model)
         if cfg.checkpoint.init_from and not self.resume_from:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
                                 self.data.tokenizer_sha256, tp)
