@@ -6,7 +6,9 @@ writes ``{check: error or "FAILED: ..."}`` as JSON to the path given on the comm
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import sys
 import traceback
 
@@ -51,9 +53,9 @@ def mlp_pair(tp: TensorParallel, kind: str) -> float:
         return ColumnParallelLinear(16, 24, t, WeightInit(0.3)), RowParallelLinear(24, 12, t, WeightInit(0.3))
 
     split, whole = build(tp), build(TensorParallel())
-    if kind == "sparse":
+    if kind == "sparse":  # what RigL's update steps collect
         for layer in (*split, *whole):
-            layer.dense_grad = torch.zeros(layer.shard_shape)
+            layer.dense_grad_hook = functools.partial(setattr, layer, "dense_grad")
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
     x_whole = x.detach().clone().requires_grad_()
     y = split[1](F.silu(split[0](x)))
@@ -69,7 +71,7 @@ def mlp_pair(tp: TensorParallel, kind: str) -> float:
             full = gathered(param.grad, tp, dim) if dim is not None else param.grad
             errors.append(relative(full, ref.grad))
         if kind == "sparse":
-            errors.append(relative(layer.whole_dense_grad(), reference.dense_grad))
+            errors.append(relative(layer.whole_matrix(layer.dense_grad), reference.dense_grad))
     return max(errors)
 
 
@@ -176,21 +178,36 @@ def spectron_step_partitioned(tp: TensorParallel) -> float:
     of two unsplit layer pairs flattened in order into one buffer, padded to even and halved, so a factor spans
     the boundary. Two steps on the partitions, the directions assembled by one all-gather per step, equal two
     steps of one process on the whole factors (the weights each partition holds, and the all-gather count)."""
+    return _spectron_step_on_partitions(tp, 0.5, padded=True)
+
+
+def spectron_step_unequal_partitions(tp: TensorParallel) -> float:
+    """The same with partitions of different lengths (rank 0 holds 70 % of the buffer, unpadded), as ZeRO-3's
+    sub-groups can leave them: the all-gather pads each rank's tensor to the longest."""
+    return _spectron_step_on_partitions(tp, 0.7, padded=False)
+
+
+def _spectron_step_on_partitions(tp: TensorParallel, share: float, padded: bool) -> float:
+    """Spectron's step on 2 ranks' partitions of one flat buffer (rank 0 holding its first ``share``, rank 1 the
+    rest, zero-padded to rank 0's length if ``padded``) against one process's."""
     whole = _lowrank_stack(2, TensorParallel())
     split = _lowrank_stack(2, TensorParallel())
     params = list(split.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    size = -(-flat.numel() // 2)
-    def partition(flat_values: torch.Tensor) -> torch.Tensor:  # this rank's half of the padded buffer
-        return torch.nn.functional.pad(flat_values, (0, 2 * size - flat_values.numel()))[tp.rank * size:][:size].clone()
+    cut = math.ceil(share * flat.numel())
+    lo, hi = (0, cut) if tp.rank == 0 else (cut, flat.numel())
+    length = cut if padded else hi - lo
+
+    def partition(flat_values: torch.Tensor) -> torch.Tensor:  # this rank's part of the buffer
+        return torch.nn.functional.pad(flat_values[lo:hi], (0, length - (hi - lo))).clone()
 
     owner = torch.nn.Parameter(partition(flat))
     offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
 
     def fragments(param):
         i = next(k for k, p in enumerate(params) if p is param)
-        first, last = max(offsets[i], tp.rank * size), min(offsets[i + 1], (tp.rank + 1) * size)
-        return [Fragment(owner, first - tp.rank * size, first - offsets[i], last - first)] if last > first else []
+        first, last = max(offsets[i], lo), min(offsets[i + 1], hi)
+        return [Fragment(owner, first - lo, first - offsets[i], last - first)] if last > first else []
 
     reference = _spectron([{"params": list(whole.parameters()), "spectron": True}])
     reference.attach(factor_pairs(whole), lambda p: [Fragment(p, 0, 0, p.numel())])
@@ -233,7 +250,8 @@ def shared_factorisation(tp: TensorParallel) -> float:
 
 
 CHECKS = [dense_pair, lowrank_pair, sparse_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
-          newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, shared_factorisation]
+          newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, spectron_step_unequal_partitions,
+          shared_factorisation]
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
 from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.topology import TopologyUpdater
 
 LAYERS = {"dense": "adamw", "sparse": "smet", "lowrank": "spectron"}
 
@@ -31,21 +32,23 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 300, (2, 24), generator=generator), torch.randint(0, 300, (2, 24), generator=generator)
 
 
-def collect_dense_gradients(model: Llama, on: bool) -> None:
-    """What RigL does at an update step: every sparse layer accumulates its dense dL/dW."""
+def collect_dense_gradients(model: Llama) -> None:
+    """What RigL's update steps do: every sparse layer's backward hands its dense dL/dW to a hook (here: kept)."""
     for layer in model.modules():
         if isinstance(layer, SparseLinear):
-            layer.dense_grad = torch.zeros(layer.out_features, layer.in_features) if on else None
+            layer.collected = []
+            layer.dense_grad_hook = layer.collected.append
 
 
 def step(model: Llama) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss, gradients (and dense gradients) of one forward and backward."""
+    """Loss, gradients (and the dense gradients collected, stacked: one per backward expected) of one forward and
+    backward."""
     model.zero_grad()
     loss = model(*batch())
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    grads |= {f"{name}.dense_grad": m.dense_grad.clone() for name, m in model.named_modules()
-              if getattr(m, "dense_grad", None) is not None}
+    grads |= {f"{name}.dense_grad": torch.stack(m.collected) for name, m in model.named_modules()
+              if getattr(m, "collected", None)}
     return loss.detach(), grads
 
 
@@ -78,8 +81,8 @@ def test_checkpointing_gives_the_same_losses_and_gradients(layer, mode):
     plain = build(layer)
     checkpointed = copy.deepcopy(plain)
     checkpoint_blocks(checkpointed, mode)
-    collect_dense_gradients(plain, layer == "sparse")
-    collect_dense_gradients(checkpointed, layer == "sparse")
+    collect_dense_gradients(plain)
+    collect_dense_gradients(checkpointed)
     (loss, grads), (expected_loss, expected) = step(checkpointed), step(plain)
     assert relative(loss, expected_loss) <= 1e-6
     assert grads.keys() == expected.keys() and any(k.endswith("dense_grad") for k in grads) == (layer == "sparse")
@@ -113,35 +116,40 @@ def test_what_each_mode_recomputes(layer):
     assert calls == {"none": 1, "full": 2, "selective": 2}
 
 
-# Each compiled variant (ordinary step, RigL's step) is one entry of a block's code; were the blocks not to share
-# them, 3 blocks would need 6 > 3 entries, and dynamo fails instead of falling back to eager.
+# Each compiled variant is one entry of a block's code; were the blocks not to share them, 3 blocks would need more
+# than 3 entries, and dynamo fails instead of falling back to eager.
 @torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True)
-def test_compiled_blocks_match_eager_and_a_topology_update_does_not_recompile():
-    """A sparse model with RigL's dense gradients, fully checkpointed (selective with compile: test_execution_training)
-    and compiled, against eager."""
+def test_compiled_blocks_match_eager_and_neither_rigl_nor_a_topology_update_recompiles():
+    """A sparse model, fully checkpointed (selective with compile: test_execution_training) and compiled, against
+    eager; RigL's update steps (inside ``TopologyUpdater.step``) run eagerly and choose the same regrowth."""
     torch._dynamo.reset()
     counters.clear()
     eager = build("sparse", n_layers=3)
     compiled = copy.deepcopy(eager)
     checkpoint_blocks(compiled, "full")
     compile_blocks(compiled)
+    cfg = config_from_dict({"model": {"preset": "llama-tiny", "layer": "sparse"}, "optimizer": {"name": "smet"},
+                            "sparse": {"regrow": "gradient", "update_interval": 2}})
+    updaters = [TopologyUpdater(model, cfg.sparse, 10, 0, optimizer=None, fragments=None) for model in (compiled, eager)]
 
-    def same_steps(collecting: list[bool]) -> None:  # ordinary steps and update steps (RigL collects)
-        for collect in collecting:
-            collect_dense_gradients(eager, collect)
-            collect_dense_gradients(compiled, collect)
-            (loss, grads), (expected_loss, expected) = step(compiled), step(eager)
+    def same_steps() -> None:  # an ordinary step, RigL's update step, an ordinary step
+        for number in (1, 2, 3):
+            with updaters[0].step(number, 1), updaters[1].step(number, 1):
+                (loss, grads), (expected_loss, expected) = step(compiled), step(eager)
             assert relative(loss, expected_loss) <= 1e-5
             for name in expected:
                 assert relative(grads[name], expected[name]) <= 1e-5, name
+        chosen = [[regrowth.positions.tolist() for regrowth in updater.regrowth] for updater in updaters]
+        assert chosen[0] == chosen[1] and len(chosen[0]) == 3 * 7
 
-    same_steps([False, True, False])
+    same_steps()
     graphs = counters["stats"]["unique_graphs"]
-    assert 0 < graphs < len(compiled.layers)  # the blocks share their graphs (a few per variant)
+    assert 0 < graphs < len(compiled.layers)  # the blocks share their graphs
     for model in (eager, compiled):  # a topology update: slots re-pointed in place, the shapes unchanged
         for layer in model.modules():
             if isinstance(layer, SparseLinear):
                 layer.index.copy_(torch.randperm(layer.out_features * layer.in_features,
                                                  generator=torch.Generator().manual_seed(2))[:layer.nnz].int())
-    same_steps([False, True, False])
+    same_steps()
     assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["graph_break"]  # RigL's hooks were never traced (dynamo breaks the graph at them)

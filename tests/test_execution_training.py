@@ -25,15 +25,16 @@ def test_full_checkpointing_redoes_the_tensor_parallel_collectives(runs):
     assert grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-6)
 
 
-def test_selective_checkpointing_keeps_rigl_masks(runs):
-    """SMET with gradient regrowth (each sparse layer's dense gradient collected in backward) on 2 ranks, ZeRO-1:
-    the same topology updates, losses and compact weights as without checkpointing."""
+def test_selective_checkpointing_and_compiled_blocks_keep_rigl_masks(runs):
+    """SMET with gradient regrowth (each sparse layer's regrowth chosen in backward, its update steps run eagerly)
+    on 2 ranks, ZeRO-1, blocks compiled with their recomputation: the same topology updates, losses and compact
+    weights as the plain run."""
     plain = runs(1, 2, 1, method="smet-rigl")
-    checkpointed = runs(1, 2, 1, method="smet-rigl", activation_checkpointing="selective")
+    checkpointed = runs(1, 2, 1, method="smet-rigl", activation_checkpointing="selective", compile=True)
     assert [r["step"] for r in read_metrics(checkpointed, "topology")] == [2, 4, 6]
-    assert train_losses(checkpointed) == pytest.approx(train_losses(plain), rel=1e-6)
+    assert train_losses(checkpointed) == pytest.approx(train_losses(plain), rel=1e-5)
     for step in (4, 8):
-        assert_same_model(checkpoint(checkpointed, step), checkpoint(plain, step), rel=1e-6)
+        assert_same_model(checkpoint(checkpointed, step), checkpoint(plain, step), rel=1e-5)
 
 
 def test_compiled_checkpointed_spectron_under_tensor_and_data_parallelism(runs):

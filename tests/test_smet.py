@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megasparse.config import config_from_dict
@@ -14,7 +15,8 @@ from megasparse.parallel.layers import WeightInit
 from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import MATURE
-from megasparse.sparse.topology import TopologyUpdater, choose_regrowth, prune_fraction
+from megasparse.sparse.topology import (GradientRegrowth, TopologyUpdater, gradient_regrowth, prune_fraction,
+                                        pruned_slots, random_regrowth, regrowth_count)
 from megasparse.train.optim import build_optimizer
 
 
@@ -221,15 +223,46 @@ def test_regrowth_by_gradient_takes_the_largest_inactive_gradients():
     values = torch.tensor([0.5, -0.1, 0.3, 0.05])
     index = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     grad = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.1, -5.0, 0.2, 3.0, -0.3])
-    slots, positions = choose_regrowth(values, index, 9, 2, torch.Generator(), grad)
-    assert slots.tolist() == [1, 3] and positions.tolist() == [5, 7]
+    assert pruned_slots(values, 2).tolist() == [1, 3]
+    assert gradient_regrowth(grad, index, 2).tolist() == [5, 7]
 
 
 def test_random_regrowth_is_seeded():
-    values, index = torch.randn(20), torch.arange(20, dtype=torch.int32)
-    picks = [choose_regrowth(values, index, 100, 5, torch.Generator().manual_seed(s))[1].tolist() for s in (1, 1, 2)]
+    index = torch.arange(20, dtype=torch.int32)
+    picks = [random_regrowth(index, 100, 5, torch.Generator().manual_seed(s)).tolist() for s in (1, 1, 2)]
     assert picks[0] == picks[1] != picks[2]
     assert all(p >= 20 for p in picks[0])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_rigl_chooses_in_the_backward_from_the_summed_dense_gradient(micro_batches):
+    """Inside ``TopologyUpdater.step`` each layer's backward hands over dL/dW; after the last micro-batch the layer's
+    regrowth is chosen from the sum (as from the dense model's gradient) and no dense gradient is kept."""
+    cfg = sparse_config(sparse={"density": 0.4, "update_interval": 2, "regrow": "gradient"})
+    model = TwoLayers(0.4)
+    updater = TopologyUpdater(model, cfg.sparse, 10, seed=3, optimizer=build_optimizer(cfg, model),
+                              fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
+    inputs = torch.randn(micro_batches, 4, 12, generator=torch.Generator().manual_seed(5))
+    dense_a = model.a.dense_weight().detach().clone().requires_grad_()
+    dense_b = model.b.dense_weight().detach().clone().requires_grad_()
+    with updater.step(1, micro_batches):  # not an update step: nothing is collected
+        assert model.a.dense_grad_hook is None
+    with updater.step(2, micro_batches):
+        for i, x in enumerate(inputs, 1):
+            model.b(model.a(x).tanh()).square().sum().backward()
+            F.linear(F.linear(x, dense_a).tanh(), dense_b).square().sum().backward()
+            assert (updater.regrowth[0].positions is None) == (i < micro_batches)
+    assert model.a.dense_grad_hook is None and model.b.dense_grad_hook is None
+    zeta = prune_fraction(cfg.sparse, 2, 10)
+    for layer, dense, regrowth in zip((model.a, model.b), (dense_a, dense_b), updater.regrowth):
+        assert regrowth.total is None and regrowth.seen == micro_batches
+        assert regrowth.positions.tolist() == gradient_regrowth(dense.grad, layer.index, regrowth_count(layer, zeta)).tolist()
+    chosen, index = updater.regrowth[0].positions.tolist(), model.a.index.clone()
+    updater.optimizer.step()
+    updater.update(2)
+    assert set(model.a.index.tolist()) - set(index.tolist()) == set(chosen) and updater.regrowth == []
+    with pytest.raises(RuntimeError, match="RigL's regrowth of a was not chosen"):
+        updater.update(4)  # an update step whose backward ran outside updater.step
 
 
 def test_prune_fraction_decays_by_cosine():

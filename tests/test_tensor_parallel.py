@@ -21,6 +21,7 @@ TOLERANCES = {
     "newton_schulz_split": 1e-5,   # Newton-Schulz through the all-reduced r x r Gram matrix
     "spectron_step_collectives": 0,  # all-reduces per step: 6 per split batch of factors, not per layer
     "spectron_step_partitioned": 1e-6,  # the step on ZeRO-1/2-like partitions, one all-gather per step
+    "spectron_step_unequal_partitions": 1e-6,  # the same on partitions of different lengths (padded in the gather)
     "shared_factorisation": 0,     # the SVDs shared out over the ranks and broadcast: the same factors
 }
 

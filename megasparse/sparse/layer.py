@@ -6,7 +6,9 @@ forward pass scatters the values into a dense matrix, W[index[s]] = values[s] (z
 elsewhere), and computes y = x W^T; the backward pass scatters W again, computes dL/dx = g W
 and dL/dW = g^T x, and returns dL/dvalues[s] = dL/dW[index[s]]. Only x is saved between the
 passes, so one layer's dense W and dL/dW exist at a time, inside its own forward or backward,
-like a temporary activation. Everything that persists — parameter, DeepSpeed's flat buffers and
+like a temporary activation. At RigL's update steps the backward also hands dL/dW to
+``dense_grad_hook`` (:class:`megasparse.sparse.topology.GradientRegrowth`), which keeps what the
+regrowth decision needs of it. Everything that persists — parameter, DeepSpeed's flat buffers and
 ZeRO partitions, gradients, optimizer state, reduced gradient bytes — is proportional to nnz.
 A topology update re-points slots in place (``index[s] = new position``, ``values[s] = 0``), so
 no tensor ever changes shape.
@@ -24,6 +26,7 @@ losses and updates equal those of one rank.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -53,9 +56,10 @@ class _SparseLinearFunction(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         rows, cols = weight.shape
         grad_weight = grad_out.reshape(-1, rows).t() @ x.reshape(-1, cols)
-        if layer.dense_grad is not None:  # RigL: the dense gradient, collected at update steps only
-            layer.dense_grad.add_(grad_weight)  # in place, in fp32: no converted copy of a bf16 dL/dW
-        return grad_x, layer.slot_gradients(grad_weight, positions), None
+        grad_values = layer.slot_gradients(grad_weight, positions)
+        if layer.dense_grad_hook is not None:  # RigL's update steps (run eagerly), after the slots took theirs
+            layer.dense_grad_hook(grad_weight)
+        return grad_x, grad_values, None
 
 
 class SparseLinear(nn.Module):
@@ -70,7 +74,8 @@ class SparseLinear(nn.Module):
         self.register_buffer("index", positions.to(torch.int32))
         self.values = sharded_parameter(init.values(nnz, in_features), tp, dim=0 if self.parallel else None)
         self.values.sparse_density = density  # its optimizer group (megasparse.optim.groups)
-        self.dense_grad: torch.Tensor | None = None
+        # called in backward with dL/dW of this rank's part of W, which it may change (RigL's update steps)
+        self.dense_grad_hook: Callable[[torch.Tensor], None] | None = None
 
     @property
     def nnz(self) -> int:
@@ -104,11 +109,11 @@ class SparseLinear(nn.Module):
         """The whole layer's compact values from every tensor-parallel rank's ``values``."""
         return gather_along(values, 0, self.tp) if self.parallel else values
 
-    def whole_dense_grad(self) -> torch.Tensor | None:
-        """RigL's dense gradient of the whole W (joined from the shards)."""
-        if self.dense_grad is None or not self.parallel:
-            return self.dense_grad
-        return gather_along(self.dense_grad, 0 if self.parallel == "column" else 1, self.tp)
+    def whole_matrix(self, part: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like W (RigL's dense gradient) joined from every tensor-parallel rank's ``part`` of it."""
+        if not self.parallel:
+            return part
+        return gather_along(part, 0 if self.parallel == "column" else 1, self.tp)
 
     def shard_positions(self) -> torch.Tensor:
         """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a

@@ -13,6 +13,10 @@ At update step t (t = Delta T, 2 Delta T, ... before ``stop_step``) with prune f
 3. points the pruned slots, in ascending order, at the regrown positions, in ascending order,
    with weight 0, and tells the optimizer to restart their state.
 
+RigL's step 2 needs dL/dW of the whole dense matrix, which the compact layer never stores: it is taken
+inside the step's backward pass, layer by layer, as soon as a layer's gradient is complete
+(:class:`GradientRegrowth`), so that the layers' dense gradients do not all wait for the update.
+
 The decision is a function of the whole layer (its values, index and, for RigL, the dense
 gradient summed over data-parallel ranks; all gathered over the tensor-parallel group when the
 layer is split) and of a generator seeded by (seed, t, layer),
@@ -30,6 +34,7 @@ the layers instead of training on different masks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -52,19 +57,64 @@ def prune_fraction(cfg: SparseConfig, step: int, total_steps: int) -> float:
         1 + math.cos(math.pi * min(step, end) / end))
 
 
-def choose_regrowth(values: torch.Tensor, index: torch.Tensor, numel: int, count: int, generator: torch.Generator,
-                    dense_grad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` slots to prune and the flat positions they move to, both ascending (so the
-    pairing does not depend on the order in which nearly equal magnitudes sort)."""
-    slots = torch.argsort(values.detach().abs().float(), stable=True)[:count].sort().values
+def regrowth_count(layer: SparseLinear, zeta: float) -> int:
+    """How many of ``layer``'s slots an update with prune fraction ``zeta`` moves."""
+    return min(int(zeta * layer.nnz), layer.in_features * layer.out_features - layer.nnz)
+
+
+def pruned_slots(values: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` slots of smallest |w|, ascending (ties: lower slot first)."""
+    return torch.argsort(values.detach().abs().float(), stable=True)[:count].sort().values
+
+
+def inactive_positions(index: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat positions of W that no slot of ``index`` points at, ascending."""
     occupied = torch.zeros(numel, dtype=torch.bool, device=index.device)
     occupied[index.long()] = True
-    free = (~occupied).nonzero().squeeze(1)
-    if dense_grad is None:
-        choice = torch.randperm(free.numel(), generator=generator, device=free.device)[:count]
-    else:
-        choice = torch.argsort(dense_grad.reshape(-1)[free].abs(), descending=True, stable=True)[:count]
-    return slots, free[choice].sort().values
+    return (~occupied).nonzero().squeeze(1)
+
+
+def random_regrowth(index: torch.Tensor, numel: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """SET: ``count`` inactive positions drawn uniformly by ``generator``, ascending."""
+    free = inactive_positions(index, numel)
+    return free[torch.randperm(free.numel(), generator=generator, device=free.device)[:count]].sort().values
+
+
+def gradient_regrowth(dense_grad: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """RigL: the ``count`` inactive positions of largest |dL/dW| (ties: lower position first), ascending."""
+    free = inactive_positions(index, dense_grad.numel())
+    return free[torch.argsort(dense_grad.reshape(-1)[free].abs(), descending=True, stable=True)[:count]].sort().values
+
+
+class GradientRegrowth:
+    """RigL's regrowth of one layer at one update step, chosen inside the step's backward pass.
+
+    The layer's backward hands this dL/dW of its part of W after each of the step's micro-batches
+    (``SparseLinear.dense_grad_hook``). The sum over micro-batches is kept in fp32; after the last one it is
+    summed over the data-parallel ranks, joined over the tensor-parallel group, the ``count`` positions are
+    chosen (:func:`gradient_regrowth`) and the dense gradient is dropped. Nothing the choice reads changes in the
+    optimizer step (the positions inactive before the update, the gradient), so it is the choice the update
+    would take after the step, while a dense gradient lives only as long as its layer needs it: with one
+    micro-batch per step one layer's at a time (an fp32 copy only of a bf16 dL/dW), with several each layer's
+    fp32 sum from its first micro-batch's backward to its last one's (every layer's at once in between).
+    """
+
+    def __init__(self, layer: SparseLinear, count: int, micro_batches: int, dp_group=None) -> None:
+        self.layer, self.count, self.micro_batches, self.dp_group = layer, count, micro_batches, dp_group
+        self.seen = 0
+        self.total: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def __call__(self, grad_weight: torch.Tensor) -> None:
+        # grad_weight is the backward's own product, used by nothing after this: summed into in place
+        self.total = grad_weight.float() if self.total is None else self.total.add_(grad_weight)
+        self.seen += 1
+        if self.seen < self.micro_batches:
+            return
+        total, self.total = self.total, None
+        if dist.is_initialized():  # the sum over data-parallel ranks
+            dist.all_reduce(total, group=self.dp_group)
+        self.positions = gradient_regrowth(self.layer.whole_matrix(total), self.layer.index, self.count)
 
 
 class TopologyUpdater:
@@ -73,6 +123,7 @@ class TopologyUpdater:
         self.cfg, self.total_steps, self.seed = cfg, total_steps, seed
         self.optimizer, self.fragments, self.dp_group = optimizer, fragments, dp_group
         self.names, self.layers = zip(*((name, m) for name, m in model.named_modules() if isinstance(m, SparseLinear)))
+        self.regrowth: list[GradientRegrowth] = []  # RigL's choices for the coming update, one per layer
 
     def due(self, step: int) -> bool:
         """Whether a topology update follows optimizer step ``step`` (1-based)."""
@@ -80,12 +131,27 @@ class TopologyUpdater:
         return step % self.cfg.update_interval == 0 and step < end and any(
             layer.nnz < layer.in_features * layer.out_features for layer in self.layers)
 
-    def before_step(self, step: int) -> None:
-        """Ahead of optimizer step ``step``: collect dense gradients (of this rank's part of W) if RigL
-        updates after it."""
-        collect = self.cfg.regrow == "gradient" and self.due(step)
-        for layer in self.layers:
-            layer.dense_grad = layer.values.new_zeros(layer.shard_shape, dtype=torch.float32) if collect else None
+    @contextlib.contextmanager
+    def step(self, step: int, micro_batches: int):
+        """Around optimizer step ``step`` (its ``micro_batches`` forward and backward passes): when RigL updates
+        after it, each layer's backward chooses its regrowth (:class:`GradientRegrowth`), and the passes run
+        eagerly even in compiled blocks (``torch.compiler.set_stance("force_eager")``): the choice is Python
+        code with collectives, which dynamo would not trace into a block's backward. One step in
+        ``sparse.update_interval`` runs so."""
+        if self.cfg.regrow != "gradient" or not self.due(step):
+            yield
+            return
+        zeta = prune_fraction(self.cfg, step, self.total_steps)
+        self.regrowth = [GradientRegrowth(layer, regrowth_count(layer, zeta), micro_batches, self.dp_group)
+                         for layer in self.layers]
+        for layer, regrowth in zip(self.layers, self.regrowth):
+            layer.dense_grad_hook = regrowth
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        finally:
+            for layer in self.layers:
+                layer.dense_grad_hook = None
 
     @torch.no_grad()
     def update(self, step: int) -> dict[str, float]:
@@ -94,25 +160,34 @@ class TopologyUpdater:
         cohort = self.optimizer.open_cohort()
         moved = 0
         for number, layer in enumerate(self.layers):
-            numel = layer.in_features * layer.out_features
-            count = min(int(zeta * layer.nnz), numel - layer.nnz)
-            if layer.dense_grad is not None and dist.is_initialized():  # the sum over data-parallel ranks
-                dist.all_reduce(layer.dense_grad, group=self.dp_group)
-            generator = torch.Generator(device=layer.index.device)
-            generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
+            count = regrowth_count(layer, zeta)
+            positions = self._regrown_positions(number, step, count)
             with deepspeed.zero.GatheredParameters([layer.values], modifier_rank=0):  # a no-op below ZeRO-3
-                slots, positions = choose_regrowth(layer.whole(layer.values), layer.index, numel, count, generator,
-                                                   layer.whole_dense_grad())
+                slots = pruned_slots(layer.whole(layer.values), count)
                 layer.index[slots] = positions.to(torch.int32)
                 local = layer.local_slots(slots)  # those this tensor-parallel rank stores
                 layer.values[local] = 0
             for fragment in self.fragments(layer.values):
                 self.optimizer.regrow(fragment.owner, fragment.positions(local), cohort)
-            layer.dense_grad = None
             moved += count
+        self.regrowth = []
         skew_index(self.layers[0].index, step)
         self._check_ranks_agree(step)
         return {"zeta": zeta, "regrown": moved}
+
+    def _regrown_positions(self, number: int, step: int, count: int) -> torch.Tensor:
+        """Where layer ``number``'s pruned slots move: RigL's choice from the step's backward, or SET's draw from a
+        generator seeded by (seed, step, layer)."""
+        layer = self.layers[number]
+        if self.cfg.regrow == "gradient":
+            chosen = self.regrowth[number].positions if self.regrowth else None
+            if chosen is None:
+                raise RuntimeError(f"step {step}: RigL's regrowth of {self.names[number]} was not chosen: the step did "
+                                   "not run inside TopologyUpdater.step, or its backward missed micro-batches")
+            return chosen
+        generator = torch.Generator(device=layer.index.device)
+        generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
+        return random_regrowth(layer.index, layer.in_features * layer.out_features, count, generator)
 
     def _check_ranks_agree(self, step: int) -> None:
         """Stop on every rank, naming the layers, when the ranks' indices differ after the update at ``step``."""

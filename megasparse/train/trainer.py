@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import deepspeed
@@ -273,13 +274,12 @@ class Trainer:
         while self.step < t.steps:
             log_now = (self.step + 1) % cfg.logging.log_interval == 0 or self.step + 1 == t.steps
             lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves on at its end)
-            if self.topology:
-                self.topology.before_step(self.step + 1)
             if self.heartbeat:
                 self.heartbeat.progress()
             at_step_start(self.step + 1)
             skips_before = self._skip_counters()
-            loss, grad_norm, stop_agreed = self._train_step(stop, measure_norm=log_now and self.measure_grad_norm)
+            with self.topology.step(self.step + 1, self.loader.accumulation_steps) if self.topology else nullcontext():
+                loss, grad_norm, stop_agreed = self._train_step(stop, measure_norm=log_now and self.measure_grad_norm)
             self.step += 1
             if self._skip_counters() != skips_before:
                 self._skipped_step()

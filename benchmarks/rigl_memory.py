@@ -1,0 +1,89 @@
+"""RigL's memory at an update step: what a step that collects the dense gradients holds above an ordinary step.
+
+    python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory.json
+    PYTHONPATH=<a checkout of 4d6b548> python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory_before.json
+
+A sparse layer stores only its active weights, but RigL's regrowth (``sparse.regrow: gradient``) ranks the
+inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm
+trains SMET with RigL (density ``--density``, an update after every second step) on one rank, fp32,
+ZeRO-0, ``--micro-batch`` sequences per micro-batch and ``--accumulation`` micro-batches per step, in a
+process of its own: step 1 warms up (the optimizer state is made), step 2 collects the dense gradients and
+updates the topology after it, step 3 is an ordinary step. Steps 2 and 3 run under torch's profiler with
+memory profiling, and each one's peak is the largest sum of the bytes allocated minus freed since the step
+began (every allocation of the process on its device, counted exactly, not sampled; the profiler's memory
+timeline, a private torch API). Reported: both peaks, their difference (what collecting costs), and for scale
+the fp32 dense matrices of all sparse layers together and of the largest one. A checksum of every layer's index
+after the update shows that the runs compared took the same decision.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import REPO, benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer, write_report  # noqa: E402
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--presets", nargs="+", default=["llama-130m"])
+    parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--density", type=float, default=0.25)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+
+
+def _run(args: argparse.Namespace) -> None:
+    runs = [run_workers(__file__, 1, {"preset": preset, "accumulation": accumulation, "density": args.density,
+                                      "seq_len": args.seq_len, "micro_batch": args.micro_batch, "data": args.data})
+            for preset in args.presets for accumulation in args.accumulation]
+    mb = 2**20
+    print(markdown_table(
+        ["preset", "micro-batches", "ordinary step peak (MiB)", "update step peak (MiB)", "update - ordinary (MiB)",
+         "all sparse W, fp32 (MiB)", "largest W, fp32 (MiB)", "index checksum"], "lrrrrrrl",
+        [[r["preset"], str(r["accumulation"]), f"{r['ordinary_peak'] / mb:.1f}", f"{r['update_peak'] / mb:.1f}",
+          f"{(r['update_peak'] - r['ordinary_peak']) / mb:.1f}", f"{r['all_dense_fp32'] / mb:.1f}",
+          f"{r['largest_dense_fp32'] / mb:.1f}", str(r["index_checksum"])] for r in runs]))
+    write_report(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs})
+
+
+def _step_peak(trainer, step: int) -> int:
+    """The peak bytes allocated above the start of the trainer's step ``step`` (with its topology update)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    trainer.cfg.training.steps = step
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        trainer.run()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device(trainer.device))
+    return max(sum(categories) for categories in sizes)
+
+
+def _worker(a: dict, result: Path) -> None:
+    from megasparse.sparse.layer import SparseLinear
+    from megasparse.sparse.topology import index_checksum
+
+    overrides = short_run_overrides(a["preset"], a["data"], a["seq_len"], 3, a["micro_batch"],
+                                    a["micro_batch"] * a["accumulation"], result.parent / "run")
+    trainer = start_trainer(overrides + ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
+                                         "sparse.regrow=gradient", "sparse.update_interval=2",
+                                         "training.precision=fp32", "parallel.zero_stage=0"])
+    trainer.metrics.close = lambda: None  # the run goes on, a step at a time: its metrics file stays open
+    trainer.cfg.training.steps = 1
+    trainer.run()
+    update_peak = _step_peak(trainer, 2)
+    layers = [m for m in trainer.engine.module.modules() if isinstance(m, SparseLinear)]
+    checksum = sum(int(index_checksum(layer.index)) for layer in layers)
+    ordinary_peak = _step_peak(trainer, 3)
+    dense = [layer.in_features * layer.out_features * 4 for layer in layers]
+    result.write_text(json.dumps({"preset": a["preset"], "accumulation": a["accumulation"],
+                                  "ordinary_peak": ordinary_peak, "update_peak": update_peak,
+                                  "all_dense_fp32": sum(dense), "largest_dense_fp32": max(dense),
+                                  "index_checksum": checksum}))
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, _arguments, _run, _worker)
