@@ -193,6 +193,18 @@ def run_summary(output_dir: Path) -> dict[str, Any]:
             "train_loss": [r["loss"] for r in read_metrics(output_dir)]}
 
 
+def summary_run(name: str, summary: dict[str, Any]):
+    """A run's summary (:func:`run_summary`, and a ``spectral_norm`` list of [step, largest sigma_A + sigma_B] where
+    one was measured) as ``megasparse plot`` reads a run, so that its :func:`megasparse.plot.plot_runs` draws the
+    benchmark's curves."""
+    from megasparse.plot import Run
+
+    norms = dict(summary.get("spectral_norm", []))
+    train = [{"step": step, "loss": loss, **({"spectral_norm_max": norms[step]} if step in norms else {})}
+             for step, loss in enumerate(summary["train_loss"], 1)]
+    return Run(name, {"train": train, "eval": [{"step": step, "val_loss": loss} for step, loss in summary["val_loss"]]})
+
+
 def machine() -> dict[str, Any]:
     import deepspeed
     import torch

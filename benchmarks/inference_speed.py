@@ -10,6 +10,9 @@ prefill, one forward pass over a ``--prompt``-token prompt that fills the key-va
 single-token forward passes on that cache. tokens/s are the batch's tokens over the time; the median of
 ``--repeats`` runs, dense and factored alternating. The FLOP-count speed-up is dense / factored forward FLOPs
 per token (``megasparse.model.flops``), for decode at the mid-decode context, for prefill at the prompt's.
+With ``--compile`` both models run as transformers documents compiled decoding: a static key-value cache
+(``StaticCache`` of prompt + new positions) and ``torch.compile`` of the forward pass (static shapes: one graph
+for the prefill and one for decode per batch size, compiled in the warm-up run).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="a static KV cache and torch.compile'd forward passes")
     parser.add_argument("--data", default=str(REPO / "data" / "stdlib"), help="a prepared dataset (its tokenizer)")
 
 
@@ -60,20 +64,22 @@ def _folders(preset: str, data: Path, out: Path) -> tuple[dict[str, Path], objec
     return folders, cfg, prepared.vocab_size
 
 
-def _timed(model, batch: int, prompt: int, new: int, vocab: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one run."""
+def _timed(model, batch: int, prompt: int, new: int, vocab: int, static: bool) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one run; ``static``: into a static key-value cache."""
     import torch
+    from transformers import StaticCache
 
     from megasparse.convert.generate import cache_keyword
 
     tokens = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    cache = cache_keyword(model)
     with torch.no_grad():
+        given = {cache: StaticCache(config=model.config, max_cache_len=prompt + new)} if static else {}
         start = time.perf_counter()
-        out = model(input_ids=tokens, use_cache=True)
+        out = model(input_ids=tokens, **given, use_cache=True)
         prefill = time.perf_counter() - start
         next_token = out.logits[:, -1:].argmax(-1)
         start = time.perf_counter()
-        cache = cache_keyword(model)
         for _ in range(new):
             out = model(input_ids=next_token, **{cache: getattr(out, cache)}, use_cache=True)
             next_token = out.logits[:, -1:].argmax(-1)
@@ -95,6 +101,11 @@ def _run(args: argparse.Namespace) -> None:
             models = {"dense": transformers.LlamaForCausalLM.from_pretrained(folders["dense"]).eval(),
                       "factored": transformers.AutoModelForCausalLM.from_pretrained(
                           folders["factored"], trust_remote_code=True).eval()}
+            if args.compile:
+                import torch
+
+                for model in models.values():
+                    model.forward = torch.compile(model.forward, dynamic=False)
             flops = {}
             for phase, context in (("prefill", args.prompt), ("decode", args.prompt + args.new // 2)):
                 at = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=context))
@@ -106,7 +117,7 @@ def _run(args: argparse.Namespace) -> None:
                 speeds = {kind: [] for kind in models}
                 for _ in range(args.repeats + 1):  # the first of each is a warm-up
                     for kind, model in models.items():
-                        speeds[kind].append(_timed(model, batch, args.prompt, args.new, vocab))
+                        speeds[kind].append(_timed(model, batch, args.prompt, args.new, vocab, args.compile))
                 median = {kind: [statistics.median(run[i] for run in runs[1:]) for i in (0, 1)]
                           for kind, runs in speeds.items()}
                 for i, phase in enumerate(("prefill", "decode")):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (benchmark_main, markdown_table, run_many, run_summary, save_figure,  # noqa: E402
-                    stability_overrides, start_trainer, wikitext_dataset, write_report)
+                    stability_overrides, start_trainer, summary_run, wikitext_dataset, write_report)
 from spectron_stability import spectral_norm_probe, stability  # noqa: E402
 
 ARMS = {  # name: (orthogonalise, renormalise, rank ratio)
@@ -56,17 +56,22 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     parser.add_argument("--plot", type=Path, help="write the loss and spectral-norm curves here (PNG)")
+    parser.add_argument("--from-json", type=Path, help="re-plot a report instead of training")
 
 
 def _run(args: argparse.Namespace) -> None:
-    data, corpus = wikitext_dataset(2000)
-    settings = {"steps": args.steps, "lr": args.lr, "preset": "llama-9m", "seq_len": 64, "batch": 8,
-                "corpus": corpus}
-    runs = run_many(__file__, [{**settings, "data": str(data), "arm": arm} for arm in args.arms], args.jobs)
-    for run in runs:
-        run.update(stability(run["train_loss"]))
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        runs, settings = report["runs"], report["settings"]
+    else:
+        data, corpus = wikitext_dataset(2000)
+        settings = {"steps": args.steps, "lr": args.lr, "preset": "llama-9m", "seq_len": 64, "batch": 8,
+                    "corpus": corpus}
+        runs = run_many(__file__, [{**settings, "data": str(data), "arm": arm} for arm in args.arms], args.jobs)
+        for run in runs:
+            run.update(stability(run["train_loss"]))
+        write_report(args.out, {"settings": settings, "runs": runs})
     print(_table(runs))
-    write_report(args.out, {"settings": settings, "runs": runs})
     if args.plot:
         _plot(runs, args.plot, settings)
 
@@ -96,28 +101,13 @@ def _table(runs: list[dict]) -> str:
 
 
 def _plot(runs: list[dict], path: Path, settings: dict) -> None:
-    import matplotlib
+    """The runs' curves as ``megasparse plot`` draws them: training loss (smoothed with weight 0.9) and validation
+    loss, on a log axis (a diverged arm's loss is ten times the others'), and the largest sigma_A + sigma_B."""
+    from megasparse.plot import LOSS, plot_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (losses, norms) = plt.subplots(2, 1, figsize=(11, 9))
-    for run in runs:
-        ema, smoothed = run["train_loss"][0], []
-        for loss in run["train_loss"]:
-            ema = 0.9 * ema + 0.1 * loss
-            smoothed.append(ema)
-        style = "--" if run["rank_ratio"] != 0.25 else "-"
-        losses.plot(range(1, len(smoothed) + 1), smoothed, style, label=run["arm"], linewidth=1)
-        steps, values = zip(*run["spectral_norm"])
-        norms.plot(steps, values, style, label=run["arm"], linewidth=1)
-    losses.set_ylabel("training loss (EMA 0.9)")
-    losses.set_title(f"{settings['corpus']}; one rate {settings['lr']} for eta and AdamW")
-    losses.legend(fontsize=8)
-    norms.set_ylabel("max ||A||2 + ||B||2")
-    norms.set_yscale("log")
-    norms.set_xlabel("step")
-    norms.legend(fontsize=8)
+    fig = plot_runs([summary_run(run["arm"], run) for run in runs], smoothing=0.9)
+    next(ax for ax in fig.axes if ax.get_title() == LOSS.title).set_yscale("log")
+    fig.suptitle(f"{settings['corpus']}; one rate {settings['lr']} for eta and AdamW", y=1.0)
     save_figure(fig, path)
 
 

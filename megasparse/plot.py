@@ -88,8 +88,9 @@ class Panel:
     log_y: bool = False
 
 
+LOSS = Panel("loss (squares: validation)", "train", ("loss",))  # smoothed, with validation and topology updates
 PANELS = [
-    Panel("loss", "train", ("loss",)),
+    LOSS,
     Panel("learning rate", "train", ("lr",)),
     Panel("gradient norm", "train", ("grad_norm",), log_y=True),
     Panel("tokens/s", "train", ("tokens_per_s",)),
@@ -135,15 +136,15 @@ def _draw(ax, run: Run, panel: Panel, key: str, x: str, smoothing: float, colour
     if panel.event == "topology":
         ax.plot(xs, ys, "o-", color=colour, label=label)
         return
-    if smoothing and panel.title == "loss":
+    if smoothing and panel is LOSS:
         ax.plot(xs, ys, style, color=colour, alpha=0.25, linewidth=0.8, label=f"_{label} raw")
         ax.plot(xs, smoothed(ys, smoothing), style, color=colour, label=label)
     else:
         ax.plot(xs, ys, style, color=colour, label=label)
-    if panel.title == "loss":
+    if panel is LOSS:
         vx, vy = run.series("eval", "val_loss", x)
         if vy:
-            ax.plot(vx, vy, "s--", color=colour, markersize=4, label=f"{run.name} validation")
+            ax.plot(vx, vy, "s--", color=colour, markersize=4, label=f"_{run.name} validation")  # _: not in the legend
         for update in run.series("topology", "zeta", x)[0]:
             ax.axvline(update, color=colour, linestyle=":", linewidth=0.8, alpha=0.6)
 

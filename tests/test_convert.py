@@ -149,8 +149,9 @@ def test_export_hf_logits_and_tokenizer(runs, tmp_path, method, zero, nproc, tp)
 
 def test_factored_export_loads_matches_the_dense_export_and_generates(runs, tmp_path):
     """``--lowrank factored`` from a Spectron checkpoint of 2 tensor-parallel ranks: transformers builds the
-    folder's own model (trust_remote_code), which holds the factors and no W; its logits equal the dense export's
-    within 1e-4 (fp32), and greedy generation with the KV cache gives the dense export's tokens."""
+    folder's own model (trust_remote_code), which holds the factors (A column-major) and no W; its logits equal the
+    dense export's within 1e-4 (fp32), greedy generation with the KV cache gives the dense export's tokens, and
+    ``save_pretrained`` writes a folder that loads back to the same model."""
     tag = trained(runs, "spectron", 2, 2, 2)
     megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "dense")).check()
     megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "factored"), "--lowrank", "factored").check()
@@ -160,12 +161,17 @@ def test_factored_export_loads_matches_the_dense_export_and_generates(runs, tmp_
     names = {name for name, _ in factored.named_parameters()}
     assert "model.layers.0.self_attn.q_proj.A" in names and "model.layers.0.self_attn.q_proj.weight" not in names
     assert sum(p.numel() for p in factored.parameters()) < 0.8 * sum(p.numel() for p in dense.parameters())
+    q = factored.model.layers[0].self_attn.q_proj
+    assert q.A.shape == (q.out_features, q.rank) and q.A.t().is_contiguous() and q.B.is_contiguous()
     tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (factored(tokens).logits - dense(tokens).logits).abs().max() <= 1e-4
         prompt = tokens[:1, :8]
         greedy = dict(max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
         assert torch.equal(factored.generate(prompt, **greedy), dense.generate(prompt, **greedy))
+        factored.save_pretrained(tmp_path / "saved")
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True).eval()
+        assert torch.equal(again(tokens).logits, factored(tokens).logits)
     one_error_line(megasparse_here("convert", "import-hf", str(tmp_path / "factored"), "--out", str(tmp_path / "back")),
                    "this is a factored export (export-hf --lowrank factored), which import-hf does not read")
 

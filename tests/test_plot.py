@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import megasparse_here, one_error_line
 
-from megasparse.plot import DPI, PANEL_HEIGHT, WIDTH, load_run, plot_runs
+from megasparse.plot import DPI, LOSS, PANEL_HEIGHT, WIDTH, load_run, plot_runs
 from megasparse.train.metrics import read_metrics
 
 
@@ -44,18 +44,18 @@ def test_the_drawn_series_are_those_of_metrics_jsonl(smet_and_spectron):
     smet, spectron = smet_and_spectron
     fig = plot_runs([load_run(smet), load_run(spectron)], x="step", smoothing=0.6)
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
-    assert set(axes) == {"loss", "learning rate", "gradient norm", "tokens/s",
+    assert set(axes) == {LOSS.title, "learning rate", "gradient norm", "tokens/s",
                          "prune fraction (SMET topology updates)",
                          "spectral norm sigma_A + sigma_B (Spectron): max, mean"}
     for run in (smet, spectron):
         records, name = read_metrics(run), run.name
-        lines = {line.get_label(): line for line in axes["loss"].get_lines()}
+        lines = {line.get_label(): line for line in axes[LOSS.title].get_lines()}
         steps, losses = [r["step"] for r in records], [r["loss"] for r in records]
         assert list(lines[f"_{name} raw"].get_xdata()) == steps
         assert list(lines[f"_{name} raw"].get_ydata()) == losses
         assert list(lines[name].get_ydata()) == pytest.approx(ema(losses, 0.6), rel=1e-12)
         evals = read_metrics(run, "eval")
-        assert list(lines[f"{name} validation"].get_ydata()) == [r["val_loss"] for r in evals]
+        assert list(lines[f"_{name} validation"].get_ydata()) == [r["val_loss"] for r in evals]
         lr = {line.get_label(): line for line in axes["learning rate"].get_lines()}[name]
         assert list(lr.get_ydata()) == [r["lr"] for r in records]
     updates = read_metrics(smet, "topology")
@@ -63,7 +63,7 @@ def test_the_drawn_series_are_those_of_metrics_jsonl(smet_and_spectron):
     zeta = {line.get_label(): line for line in axes["prune fraction (SMET topology updates)"].get_lines()}
     assert list(zeta[smet.name].get_xdata()) == [r["step"] for r in updates]
     assert list(zeta[smet.name].get_ydata()) == [r["zeta"] for r in updates]
-    marked = [line.get_xdata()[0] for line in axes["loss"].get_lines() if line.get_linestyle() == ":"]
+    marked = [line.get_xdata()[0] for line in axes[LOSS.title].get_lines() if line.get_linestyle() == ":"]
     assert marked == [r["step"] for r in updates]
     norms = {line.get_label(): line
              for line in axes["spectral norm sigma_A + sigma_B (Spectron): max, mean"].get_lines()}
@@ -75,7 +75,7 @@ def test_the_drawn_series_are_those_of_metrics_jsonl(smet_and_spectron):
 def test_tokens_on_the_x_axis(smet_and_spectron):
     smet = smet_and_spectron[0]
     fig = plot_runs([load_run(smet)], x="tokens", smoothing=0.0)
-    loss = next(ax for ax in fig.axes if ax.get_title() == "loss")
+    loss = next(ax for ax in fig.axes if ax.get_title() == LOSS.title)
     assert loss.get_xlabel() == "tokens"
     line = next(line for line in loss.get_lines() if line.get_label() == smet.name)
     assert list(line.get_xdata()) == [r["tokens"] for r in read_metrics(smet)]
