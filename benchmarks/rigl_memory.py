@@ -10,9 +10,9 @@ ZeRO-0, ``--micro-batch`` sequences per micro-batch and ``--accumulation`` micro
 process of its own: step 1 warms up (the optimizer state is made), step 2 collects the dense gradients and
 updates the topology after it, step 3 is an ordinary step. Steps 2 and 3 run under torch's profiler with
 memory profiling, and each one's peak is the largest sum of the bytes allocated minus freed since the step
-began (every allocation of the process on its device, counted exactly, not sampled; the profiler's memory
-timeline, a private torch API). Reported: both peaks, their difference (what collecting costs), and for scale
-the fp32 dense matrices of all sparse layers together and of the largest one. A checksum of every layer's index
+began (every allocation of the process on the trainer's device, CPU or GPU, counted exactly, not sampled; the
+profiler's memory timeline, a private torch API). Reported: both peaks, their difference (what collecting
+costs), and for scale the fp32 dense matrices of all sparse layers together and of the largest one. A checksum of every layer's index
 after the update shows that the runs compared took the same decision.
 """
 from __future__ import annotations
@@ -56,7 +56,8 @@ def _step_peak(trainer, step: int) -> int:
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
     trainer.cfg.training.steps = step
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])]
+    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
         trainer.run()
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device(trainer.device))
     return max(sum(categories) for categories in sizes)

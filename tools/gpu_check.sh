@@ -3,7 +3,8 @@
 #
 #   tools/gpu_check.sh [OUT_DIR]        (default runs/gpu-check; a summary is printed and kept in OUT_DIR/summary.md)
 #
-# 1. On one GPU, a short bf16 training of each method (dense AdamW, SMET at d = 0.25, Spectron at rank 0.25) at
+# 1. On one GPU, a short bf16 training of each method (dense AdamW, SMET at d = 0.25 with RigL's regrowth, whose
+#    update steps run collectives inside the backward pass and eagerly, Spectron at rank 0.25) at
 #    ZeRO-2 and ZeRO-3, with selective activation checkpointing and compiled blocks: each run must finish, its
 #    loss must fall, and its tokens/s per device, TFLOPS per device and MFU are reported (median of the steps
 #    after the compilation). A layout megasparse refuses is reported as refused.
@@ -11,7 +12,8 @@
 #    ZeRO-3, Spectron at 2 tensor-parallel ranks) in fp32 with TF32 off, against the same run on one GPU: the loss
 #    curves must agree to 1e-4 relative, as they do on CPU with gloo at 1e-5.
 # 3. The test suite on CUDA (DS_ACCELERATOR=cuda: NCCL, one GPU per rank; tests of more ranks than there are
-#    GPUs are skipped), and Spectron's optimizer step alone (benchmarks/spectron_step.py, its one-GPU layouts).
+#    GPUs are skipped), Spectron's optimizer step alone (benchmarks/spectron_step.py, its one-GPU layouts) and the
+#    memory of RigL's update step (benchmarks/rigl_memory.py).
 # Exits non-zero if any run that megasparse accepted failed or disagreed.
 set -uo pipefail
 out=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu-check}")  # from the caller's directory
@@ -26,7 +28,7 @@ python -c 'import torch, deepspeed; print("torch", torch.__version__, "cuda", to
 
 declare -A METHOD=(
     [dense]=""
-    [smet]="--set model.layer=sparse --set optimizer.name=smet --set sparse.density=0.25 --set sparse.update_interval=10"
+    [smet]="--set model.layer=sparse --set optimizer.name=smet --set sparse.density=0.25 --set sparse.update_interval=10 --set sparse.regrow=gradient"
     [spectron]="--set model.layer=lowrank --set optimizer.name=spectron"
 )
 COMMON="--set model.preset=llama-130m --set data.seq_len=1024 --set training.micro_batch_size=8
@@ -116,5 +118,9 @@ echo "- $(tail -1 "$out/pytest.log") (log: $out/pytest.log)" | tee -a "$out/summ
 
 printf '\n## Spectron optimizer step, one GPU\n\n' | tee -a "$out/summary.md"
 python benchmarks/spectron_step.py --layouts 130m-zero0 --out "$out/spectron_step.json" 2>"$out/spectron_step.log" \
+    | grep '^|' | tee -a "$out/summary.md" || failed=1
+
+printf '\n## RigL update step memory, one GPU\n\n' | tee -a "$out/summary.md"
+python benchmarks/rigl_memory.py --out "$out/rigl_memory.json" 2>"$out/rigl_memory.log" \
     | grep '^|' | tee -a "$out/summary.md" || failed=1
 exit $failed
