@@ -163,6 +163,7 @@ def test_factored_export_loads_matches_the_dense_export_and_generates(runs, tmp_
     assert sum(p.numel() for p in factored.parameters()) < 0.8 * sum(p.numel() for p in dense.parameters())
     q = factored.model.layers[0].self_attn.q_proj
     assert q.A.shape == (q.out_features, q.rank) and q.A.t().is_contiguous() and q.B.is_contiguous()
+    assert all(tensor.is_contiguous() for tensor in factored.state_dict().values())  # as safetensors needs them
     tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (factored(tokens).logits - dense(tokens).logits).abs().max() <= 1e-4

@@ -86,8 +86,9 @@ def test_checkpointing_gives_the_same_losses_and_gradients(layer, mode):
     (loss, grads), (expected_loss, expected) = step(checkpointed), step(plain)
     assert relative(loss, expected_loss) <= 1e-6
     assert grads.keys() == expected.keys() and any(k.endswith("dense_grad") for k in grads) == (layer == "sparse")
-    for name in expected:  # the dense gradient accumulated once, though the forward ran twice
-        assert relative(grads[name], expected[name]) <= 1e-6, name
+    for name in expected:  # the dense gradient handed over once, though the forward ran twice
+        assert grads[name].shape == expected[name].shape and relative(grads[name], expected[name]) <= 1e-6, name
+    assert all(len(grads[name]) == 1 for name in grads if name.endswith("dense_grad"))
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
@@ -116,12 +117,12 @@ def test_what_each_mode_recomputes(layer):
     assert calls == {"none": 1, "full": 2, "selective": 2}
 
 
-# Each compiled variant is one entry of a block's code; were the blocks not to share them, 3 blocks would need more
-# than 3 entries, and dynamo fails instead of falling back to eager.
-@torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True)
+# Each compiled variant is one entry of a block's code: a recompilation past the limit fails instead of falling
+# back to eager (whether the blocks share their graphs is asserted below).
+@torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True)
 def test_compiled_blocks_match_eager_and_neither_rigl_nor_a_topology_update_recompiles():
     """A sparse model, fully checkpointed (selective with compile: test_execution_training) and compiled, against
-    eager; RigL's update steps (inside ``TopologyUpdater.step``) run eagerly and choose the same regrowth."""
+    eager; RigL's update steps (inside ``TopologyUpdater.around_step``) run eagerly and choose the same regrowth."""
     torch._dynamo.reset()
     counters.clear()
     eager = build("sparse", n_layers=3)
@@ -134,13 +135,13 @@ def test_compiled_blocks_match_eager_and_neither_rigl_nor_a_topology_update_reco
 
     def same_steps() -> None:  # an ordinary step, RigL's update step, an ordinary step
         for number in (1, 2, 3):
-            with updaters[0].step(number, 1), updaters[1].step(number, 1):
+            with updaters[0].around_step(number, 1), updaters[1].around_step(number, 1):
                 (loss, grads), (expected_loss, expected) = step(compiled), step(eager)
             assert relative(loss, expected_loss) <= 1e-5
             for name in expected:
                 assert relative(grads[name], expected[name]) <= 1e-5, name
-        chosen = [[regrowth.positions.tolist() for regrowth in updater.regrowth] for updater in updaters]
-        assert chosen[0] == chosen[1] and len(chosen[0]) == 3 * 7
+            chosen = [[regrowth.positions.tolist() for regrowth in updater.regrowth] for updater in updaters]
+            assert chosen[0] == chosen[1] and len(chosen[0]) == (3 * 7 if number == 2 else 0)
 
     same_steps()
     graphs = counters["stats"]["unique_graphs"]

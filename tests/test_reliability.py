@@ -163,6 +163,20 @@ def test_nonfinite_loss_skips_the_step_everywhere(dataset, tmp_path, zero):
     assert not torch.equal(checkpoint(out, 4)["lm_head.weight"], after["lm_head.weight"])  # training went on
 
 
+def test_a_skipped_update_step_skips_its_topology_update(dataset, tmp_path):
+    """SMET with RigL on 2 ranks, a non-finite loss on rank 1 at step 2, an update step: no topology update follows
+    it (the gradients RigL would rank were not finite), so the masks and weights after step 2 are step 1's, and the
+    next updates come as due."""
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "smet", checkpoint={"interval": 1}, sparse={"regrow": "gradient"})
+    result = train(config, faults="nan_loss@2:1").check()
+    assert "step 2 skipped: non-finite loss or gradient" in result.stdout
+    assert [r["step"] for r in read_metrics(out, "topology")] == [4, 6]
+    before, after = checkpoint(out, 1), checkpoint(out, 2)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+
 def assert_equal_state(actual, expected, where: str) -> None:
     """Tensors equal bit for bit, everything else equal, through nested dicts and lists."""
     if isinstance(expected, torch.Tensor):

@@ -15,8 +15,8 @@ from megasparse.parallel.layers import WeightInit
 from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.optimizer import MATURE
-from megasparse.sparse.topology import (GradientRegrowth, TopologyUpdater, gradient_regrowth, prune_fraction,
-                                        pruned_slots, random_regrowth, regrowth_count)
+from megasparse.sparse.topology import (TopologyUpdater, gradient_regrowth, prune_fraction, pruned_slots,
+                                        random_regrowth, regrowth_count)
 from megasparse.train.optim import build_optimizer
 
 
@@ -236,8 +236,8 @@ def test_random_regrowth_is_seeded():
 
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_rigl_chooses_in_the_backward_from_the_summed_dense_gradient(micro_batches):
-    """Inside ``TopologyUpdater.step`` each layer's backward hands over dL/dW; after the last micro-batch the layer's
-    regrowth is chosen from the sum (as from the dense model's gradient) and no dense gradient is kept."""
+    """Inside ``TopologyUpdater.around_step`` each layer's backward hands over dL/dW; after the last micro-batch the
+    layer's regrowth is chosen from the sum (as from the dense model's gradient) and no dense gradient is kept."""
     cfg = sparse_config(sparse={"density": 0.4, "update_interval": 2, "regrow": "gradient"})
     model = TwoLayers(0.4)
     updater = TopologyUpdater(model, cfg.sparse, 10, seed=3, optimizer=build_optimizer(cfg, model),
@@ -245,14 +245,16 @@ def test_rigl_chooses_in_the_backward_from_the_summed_dense_gradient(micro_batch
     inputs = torch.randn(micro_batches, 4, 12, generator=torch.Generator().manual_seed(5))
     dense_a = model.a.dense_weight().detach().clone().requires_grad_()
     dense_b = model.b.dense_weight().detach().clone().requires_grad_()
-    with updater.step(1, micro_batches):  # not an update step: nothing is collected
+    with updater.around_step(1, micro_batches):  # not an update step: nothing is collected
         assert model.a.dense_grad_hook is None
-    with updater.step(2, micro_batches):
+    with updater.around_step(2, micro_batches):
         for i, x in enumerate(inputs, 1):
             model.b(model.a(x).tanh()).square().sum().backward()
             F.linear(F.linear(x, dense_a).tanh(), dense_b).square().sum().backward()
             assert (updater.regrowth[0].positions is None) == (i < micro_batches)
     assert model.a.dense_grad_hook is None and model.b.dense_grad_hook is None
+    with pytest.raises(RuntimeError, match="backward ran more than the step's"):
+        updater.regrowth[0](torch.zeros(10, 12))  # once more than the step's micro-batches
     zeta = prune_fraction(cfg.sparse, 2, 10)
     for layer, dense, regrowth in zip((model.a, model.b), (dense_a, dense_b), updater.regrowth):
         assert regrowth.total is None and regrowth.seen == micro_batches
@@ -262,7 +264,7 @@ def test_rigl_chooses_in_the_backward_from_the_summed_dense_gradient(micro_batch
     updater.update(2)
     assert set(model.a.index.tolist()) - set(index.tolist()) == set(chosen) and updater.regrowth == []
     with pytest.raises(RuntimeError, match="RigL's regrowth of a was not chosen"):
-        updater.update(4)  # an update step whose backward ran outside updater.step
+        updater.update(4)  # an update step whose backward ran outside updater.around_step
 
 
 def test_prune_fraction_decays_by_cosine():

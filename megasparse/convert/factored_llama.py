@@ -10,10 +10,11 @@ the rest of the model (attention, rotary embeddings, the key-value cache, genera
 A is held column-major: the parameter ``A`` has A's name, shape (out x r) and values, as in the safetensors file,
 but its memory is the contiguous r x out matrix A^T. Row-major, x' A^T is out dot products of length r, which
 CPU BLAS (MKL) runs slowly for short r; with A^T contiguous it sums r scaled rows of length out: 1.2-2.3x faster
-per product at 1-8 tokens, about a fifth less time in a llama-60m decode step's products. B (r x in) stays
-row-major, where the dot products are long (there the other layout is slower). ``from_pretrained`` lays out
-the loaded A (transformers loads every tensor row-major); ``load_state_dict`` copies into the layout and
-``.to()`` keeps it; ``state_dict`` and ``save_pretrained`` give A as the usual out x r tensor. Whatever builds
+per product at 1-8 tokens, about a sixth less time in a llama-60m decode step's products (one thread, measured
+on our CPU machines). B (r x in) stays row-major, where the dot products are long (there the other layout is
+slower). ``from_pretrained`` lays out the loaded A (transformers loads every tensor row-major);
+``load_state_dict`` copies into the layout (with ``assign=True`` it takes the given tensor's) and ``.to()``
+keeps it; ``state_dict`` and ``save_pretrained`` give A as the usual contiguous out x r tensor. Whatever builds
 A anew (sharding, offloading) gets row-major A back: the same results, the slower product.
 """
 import torch
@@ -38,10 +39,15 @@ class FactoredLinear(nn.Module):
         self.A = nn.Parameter(torch.zeros(rank, out_features).t())
         self.B = nn.Parameter(torch.zeros(rank, in_features))
 
-    def column_major_A(self) -> None:
+    def store_a_column_major(self) -> None:
         """Lay A out as the transpose of a contiguous r x out tensor (the same parameter, shape and values)."""
         if not self.A.t().is_contiguous():
             self.A.data = self.A.data.t().contiguous().t()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:  # A as the usual contiguous out x r tensor (safetensors takes no other)
+            destination[prefix + "A"] = destination[prefix + "A"].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(nn.functional.linear(x, self.B), self.A)
@@ -69,5 +75,5 @@ class FactoredLlamaForCausalLM(LlamaForCausalLM):
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading info) with output_loading_info
         for module in model.modules():
             if isinstance(module, FactoredLinear):
-                module.column_major_A()
+                module.store_a_column_major()
         return loaded

@@ -55,6 +55,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         weight = layer.scatter(values, positions)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         rows, cols = weight.shape
+        del weight  # before dL/dW is made
         grad_weight = grad_out.reshape(-1, rows).t() @ x.reshape(-1, cols)
         grad_values = layer.slot_gradients(grad_weight, positions)
         if layer.dense_grad_hook is not None:  # RigL's update steps (run eagerly), after the slots took theirs

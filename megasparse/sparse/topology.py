@@ -81,9 +81,13 @@ def random_regrowth(index: torch.Tensor, numel: int, count: int, generator: torc
 
 
 def gradient_regrowth(dense_grad: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """RigL: the ``count`` inactive positions of largest |dL/dW| (ties: lower position first), ascending."""
-    free = inactive_positions(index, dense_grad.numel())
-    return free[torch.argsort(dense_grad.reshape(-1)[free].abs(), descending=True, stable=True)[:count]].sort().values
+    """RigL: the ``count`` inactive positions of largest |dL/dW| (ties: lower position first), ascending. The active
+    positions score -1, below every inactive one, so no list of the inactive ones is made: no result whose size
+    only the device knows (which would make the host wait inside the backward pass). ``count`` must not exceed
+    the inactive positions."""
+    scores = dense_grad.reshape(-1).abs()
+    scores[index] = -1.0
+    return torch.argsort(scores, descending=True, stable=True)[:count].sort().values
 
 
 class GradientRegrowth:
@@ -99,13 +103,16 @@ class GradientRegrowth:
     fp32 sum from its first micro-batch's backward to its last one's (every layer's at once in between).
     """
 
-    def __init__(self, layer: SparseLinear, count: int, micro_batches: int, dp_group=None) -> None:
+    def __init__(self, layer: SparseLinear, count: int, micro_batches: int, dp_group) -> None:
         self.layer, self.count, self.micro_batches, self.dp_group = layer, count, micro_batches, dp_group
         self.seen = 0
         self.total: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
     def __call__(self, grad_weight: torch.Tensor) -> None:
+        if self.seen == self.micro_batches:
+            raise RuntimeError(f"RigL: a sparse layer's backward ran more than the step's {self.micro_batches} "
+                               "micro-batch(es) inside one TopologyUpdater.around_step")
         # grad_weight is the backward's own product, used by nothing after this: summed into in place
         self.total = grad_weight.float() if self.total is None else self.total.add_(grad_weight)
         self.seen += 1
@@ -118,6 +125,9 @@ class GradientRegrowth:
 
 
 class TopologyUpdater:
+    """Prunes and regrows ``model``'s sparse layers (see the module docstring); ``dp_group``: the data-parallel
+    group over which RigL sums the dense gradients (None: every rank, right only without tensor parallelism)."""
+
     def __init__(self, model: nn.Module, cfg: SparseConfig, total_steps: int, seed: int, optimizer: SMETAdam,
                  fragments: Callable[[nn.Parameter], list[Fragment]], dp_group=None) -> None:
         self.cfg, self.total_steps, self.seed = cfg, total_steps, seed
@@ -132,12 +142,13 @@ class TopologyUpdater:
             layer.nnz < layer.in_features * layer.out_features for layer in self.layers)
 
     @contextlib.contextmanager
-    def step(self, step: int, micro_batches: int):
+    def around_step(self, step: int, micro_batches: int):
         """Around optimizer step ``step`` (its ``micro_batches`` forward and backward passes): when RigL updates
         after it, each layer's backward chooses its regrowth (:class:`GradientRegrowth`), and the passes run
         eagerly even in compiled blocks (``torch.compiler.set_stance("force_eager")``): the choice is Python
         code with collectives, which dynamo would not trace into a block's backward. One step in
         ``sparse.update_interval`` runs so."""
+        self.regrowth = []  # none outlives its step (a skipped step's choices are not used)
         if self.cfg.regrow != "gradient" or not self.due(step):
             yield
             return
@@ -183,7 +194,7 @@ class TopologyUpdater:
             chosen = self.regrowth[number].positions if self.regrowth else None
             if chosen is None:
                 raise RuntimeError(f"step {step}: RigL's regrowth of {self.names[number]} was not chosen: the step did "
-                                   "not run inside TopologyUpdater.step, or its backward missed micro-batches")
+                                   "not run inside TopologyUpdater.around_step, or its backward missed micro-batches")
             return chosen
         generator = torch.Generator(device=layer.index.device)
         generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))

@@ -278,14 +278,18 @@ class Trainer:
                 self.heartbeat.progress()
             at_step_start(self.step + 1)
             skips_before = self._skip_counters()
-            with self.topology.step(self.step + 1, self.loader.accumulation_steps) if self.topology else nullcontext():
+            topology = self.topology.around_step(self.step + 1, self.loader.accumulation_steps) if self.topology \
+                else nullcontext()
+            with topology:
                 loss, grad_norm, stop_agreed = self._train_step(stop, measure_norm=log_now and self.measure_grad_norm)
             self.step += 1
-            if self._skip_counters() != skips_before:
+            skipped = self._skip_counters() != skips_before  # the same on every rank
+            if skipped:
                 self._skipped_step()
             else:
                 self.consecutive_skips = 0
-            if self.topology and self.topology.due(self.step):
+            # a skipped step skips its topology update too: its gradients were not finite (RigL would rank them)
+            if self.topology and self.topology.due(self.step) and not skipped:
                 self.metrics.log("topology", self.step, **self.topology.update(self.step))
             window_loss += loss
             window_steps += 1
