@@ -6,14 +6,15 @@
 A sparse layer stores only its active weights, but RigL's regrowth (``sparse.regrow: gradient``) ranks the
 inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm
 trains SMET with RigL (density ``--density``, an update after every second step) on one rank, fp32,
-ZeRO-0, ``--micro-batch`` sequences per micro-batch and ``--accumulation`` micro-batches per step, in a
-process of its own: step 1 warms up (the optimizer state is made), step 2 collects the dense gradients and
-updates the topology after it, step 3 is an ordinary step. Steps 2 and 3 run under torch's profiler with
-memory profiling, and each one's peak is the largest sum of the bytes allocated minus freed since the step
-began (every allocation of the process on the trainer's device, CPU or GPU, counted exactly, not sampled; the
-profiler's memory timeline, a private torch API). Reported: both peaks, their difference (what collecting
-costs), and for scale the fp32 dense matrices of all sparse layers together and of the largest one. A checksum of every layer's index
-after the update shows that the runs compared took the same decision.
+ZeRO-0, ``--micro-batch`` sequences per micro-batch and ``--accumulation`` micro-batches per step (with
+``--compile``, compiled blocks, whose update steps run eagerly), in a process of its own: step 1 warms up
+(the optimizer state is made), step 2 collects the dense gradients and updates the topology after it, step 3
+is an ordinary step. Steps 2 and 3 run under torch's profiler with memory profiling, and each one's peak is
+the largest sum of the bytes allocated minus freed since the step began (every allocation of the process on
+the trainer's device, CPU or GPU, counted exactly, not sampled; the profiler's memory timeline, a private
+torch API). Reported: both peaks, their difference (what collecting costs), and for scale the fp32 dense
+matrices of all sparse layers together and of the largest one. A checksum of every layer's index after the
+update shows that the runs compared took the same decision.
 """
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+    parser.add_argument("--compile", action="store_true", help="compiled blocks (the update step then runs eagerly)")
 
 
 def _run(args: argparse.Namespace) -> None:
     runs = [run_workers(__file__, 1, {"preset": preset, "accumulation": accumulation, "density": args.density,
-                                      "seq_len": args.seq_len, "micro_batch": args.micro_batch, "data": args.data})
+                                      "seq_len": args.seq_len, "micro_batch": args.micro_batch, "data": args.data,
+                                      "compile": args.compile})
             for preset in args.presets for accumulation in args.accumulation]
     mb = 2**20
     print(markdown_table(
@@ -71,7 +74,8 @@ def _worker(a: dict, result: Path) -> None:
                                     a["micro_batch"] * a["accumulation"], result.parent / "run")
     trainer = start_trainer(overrides + ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                                          "sparse.regrow=gradient", "sparse.update_interval=2",
-                                         "training.precision=fp32", "parallel.zero_stage=0"])
+                                         "training.precision=fp32", "parallel.zero_stage=0",
+                                         f"training.compile={str(a['compile']).lower()}"])
     trainer.metrics.close = lambda: None  # the run goes on, a step at a time: its metrics file stays open
     trainer.cfg.training.steps = 1
     trainer.run()
