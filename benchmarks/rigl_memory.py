@@ -2,6 +2,7 @@
 
     python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory.json
     PYTHONPATH=<a checkout of 4d6b548> python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory_before.json
+    python benchmarks/rigl_memory.py --compile --out benchmarks/results/rigl_memory_compiled.json
 
 A sparse layer stores only its active weights, but RigL's regrowth (``sparse.regrow: gradient``) ranks the
 inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm
