@@ -15,9 +15,11 @@ setup(
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megasparse", "megasparse.*"]),
-    # The run configs and the sbatch template are package data: every copy of the package (a source
-    # tree, an editable or a plain install) has them next to its modules.
+    # The run configs have one source, the checkout's top-level configs/; an installed copy (a wheel, a plain
+    # install) carries them as the data folder megasparse/configs/, and a source tree or an editable install
+    # reads them where they are (megasparse.config.shipped_configs looks in both places).
+    packages=[*find_packages(include=["megasparse", "megasparse.*"]), "megasparse.configs"],
+    package_dir={"megasparse.configs": "configs"},
     package_data={"megasparse.configs": ["*.yaml"], "megasparse.launch": ["*.sbatch"]},
     install_requires=[
         *(f"{name}{spec}" for name, spec in TESTED.items()),

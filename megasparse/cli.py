@@ -1,5 +1,5 @@
-"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train``, ``launch``, ``inspect``, ``convert`` and
-``plot``."""
+"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train``, ``launch``, ``inspect``, ``generate``,
+``convert`` and ``plot``."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,10 @@ from megasparse.parallel.launch_env import first_process
 from megasparse.versions import warn_if_untested
 
 
+DESCRIPTION = ("memory-efficient LLaMA pretraining on DeepSpeed: dense, SMET (dynamic sparse) and Spectron "
+               "(native low-rank) training, launchers, checkpoint tools")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if first_process():
@@ -30,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megasparse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megasparse", description=DESCRIPTION)
     # The deepspeed launcher passes --local_rank; the rank is read from the environment instead.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,7 +82,7 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _config_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("config", nargs=None if required else "?", metavar="CONFIG",
-                        help="a YAML file or the name of a shipped config (megasparse/configs/NAME.yaml)")
+                        help="a YAML file or the name of a shipped config (configs/NAME.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable)")
 

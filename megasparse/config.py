@@ -14,7 +14,6 @@ the file system when a command is about to use them (:meth:`Config.check_paths`)
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import math
 import os
 import types
@@ -458,10 +457,15 @@ def _plain(value: Any) -> Any:
 
 
 def shipped_configs() -> dict[str, Path]:
-    """The run configs that ship with megasparse (``megasparse/configs/``), by name: those of the copy of
-    the package Python imported, whether a source tree or an installed one."""
-    root = importlib.resources.files("megasparse.configs")
-    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
+    """The run configs that ship with megasparse, by name: those of the copy of the package Python imported.
+    An installed copy (a wheel, a plain install) carries them in its own ``configs/`` folder; a source tree
+    or an editable install reads the checkout's top-level ``configs/``, their one source."""
+    package = Path(__file__).resolve().parent
+    for folder in (package / "configs", package.parent / "configs"):
+        found = {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+        if found:
+            return found
+    return {}
 
 
 def load_config(source: str | None = None, overrides: list[str] | None = None) -> Config:

@@ -123,3 +123,12 @@ def test_tokenizer_that_does_not_match_the_shards(tmp_path, dataset, corpus):
     one_error_line(result, "is not the tokenizer the shards")
 
 
+
+
+def test_the_help_names_every_command():
+    from megasparse import cli
+
+    commands = next(action for action in cli._parser()._actions if action.dest == "command").choices
+    assert {"generate", "plot", "convert"} <= set(commands)
+    for name in commands:
+        assert f"``{name}``" in cli.__doc__, name

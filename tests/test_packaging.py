@@ -2,7 +2,9 @@
 checkout's root (where ``python -m`` imports the source tree before the installed package) and from
 anywhere else (where the installed package is imported). The shipped configs and the sbatch template
 must be found in both, by name, through ``python -m megasparse``, the ``megasparse`` entry point and
-the ranks that ``megasparse launch local`` starts with ``python -m``.
+the ranks that ``megasparse launch local`` starts with ``python -m``. The configs' one source is the checkout's
+top-level ``configs/``: a wheel carries them as ``megasparse/configs/``, a source tree and an editable install
+(what the test environment is) read them in place.
 
 The install goes into a virtual environment of its own that sees the test environment's packages as
 plain directories: their ``.pth`` files are not read, so the editable megasparse of the test
@@ -14,11 +16,14 @@ import shutil
 import site
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from helpers import TIMEOUT_S, Result, train_losses
+
+from megasparse.config import shipped_configs
 
 REPO = Path(__file__).resolve().parents[1]
 ANYWHERE = shutil.ignore_patterns(".git", ".pytest_cache", "__pycache__", "*.egg-info")
@@ -65,6 +70,27 @@ def imported_from(install: Install, cwd: Path) -> Path:
 def test_the_install_holds_the_package_data(install):
     assert (install.site / "megasparse" / "configs" / "smet-quickstart.yaml").is_file()
     assert (install.site / "megasparse" / "launch" / "slurm.sbatch").is_file()
+
+
+def test_a_wheel_carries_every_config_and_the_template(tmp_path):
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO, checkout, ignore=left_out)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path / "wheel"), str(checkout)], check=True, capture_output=True,
+                   timeout=TIMEOUT_S)
+    (wheel,) = (tmp_path / "wheel").glob("megasparse-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    configs = {f"megasparse/configs/{path.name}" for path in (REPO / "configs").glob("*.yaml")}
+    assert len(configs) == len(shipped_configs()) > 0
+    assert configs == {name for name in names if name.startswith("megasparse/configs/")}
+    assert "megasparse/launch/slurm.sbatch" in names
+
+
+def test_the_checkout_configs_are_the_ones_source():
+    """The test environment's editable install reads the checkout's top-level configs/, and no copy of them
+    lives inside the package's source."""
+    assert {path.parent for path in shipped_configs().values()} == {REPO / "configs"}
+    assert not list((REPO / "megasparse").rglob("*.yaml"))
 
 
 def test_shipped_configs_by_name_from_the_checkout_root(install):

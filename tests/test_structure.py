@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megasparse"
 
 # Lowest first. A module may import from a lower floor, or from its own package.
 FLOORS = [
-    ["megasparse.errors", "megasparse.faults", "megasparse.model.presets", "megasparse.configs",
+    ["megasparse.errors", "megasparse.faults", "megasparse.model.presets",
      "megasparse.progress", "megasparse.versions"],
     ["megasparse.config"],
     ["megasparse.parallel"],

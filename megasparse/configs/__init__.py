@@ -1,1 +1,0 @@
-"""Run configs shipped with megasparse: `megasparse train NAME` finds megasparse/configs/NAME.yaml."""
