@@ -67,12 +67,13 @@ def peak_memory() -> dict[str, int | None]:
 
 def peak_label(peaks: dict[str, int | None]) -> str:
     """The column header for :func:`shown_peak`."""
-    return "peak RSS" if peaks["peak_accelerator"] is None else "peak accelerator memory"
+    return "peak RSS" if peaks.get("peak_accelerator") is None else "peak accelerator memory"
 
 
 def shown_peak(peaks: dict[str, int | None]) -> int:
-    """The accelerator's peak where there is one, else the resident set's."""
-    return peaks["peak_rss"] if peaks["peak_accelerator"] is None else peaks["peak_accelerator"]
+    """The accelerator's peak where there is one, else the resident set's (results from before
+    :func:`peak_memory` have only the resident set)."""
+    return peaks["peak_rss"] if peaks.get("peak_accelerator") is None else peaks["peak_accelerator"]
 
 
 def save_figure(fig, path: Path) -> None:
@@ -259,9 +260,13 @@ def benchmark_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], 
 
 
 def markdown_table(headers: list[str], align: str, rows: list[list[str]]) -> str:
-    """A markdown table; ``align`` has one letter per column, l (left) or r (right)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    """A markdown table; ``align`` has one letter per column, l (left) or r (right). A ``|`` in a cell is
+    escaped, so that ``||A||`` stays in its cell."""
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
 
 
 class HostSyncs:

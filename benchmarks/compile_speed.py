@@ -58,15 +58,19 @@ def _run(args: argparse.Namespace) -> None:
                            "compiled_tokens_per_s": [c["tokens_per_s"] for _, c in pairs],
                            "speedup": speedups, "speedup_median": statistics.median(speedups),
                            "first_step_s": [c["first_step_s"] for _, c in pairs]}
-    rows = [[method, ", ".join(f"{t:,.0f}" for t in s["eager_tokens_per_s"]),
-             ", ".join(f"{t:,.0f}" for t in s["compiled_tokens_per_s"]), ", ".join(f"{x:.3f}" for x in s["speedup"]),
-             ", ".join(f"{t:.0f}" for t in s["first_step_s"])] for method, s in summary.items()]
-    print(markdown_table(["method", "eager tok/s", "compiled tok/s", "speed-up per round", "compiled first step s"],
-                         "lrrrr", rows))
+    print(table(summary))
     write_report(args.out, {"settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch,
                                          "warmup": args.warmup, "steps": args.steps, "ranks": 1, "zero_stage": 0,
                                          "precision": "fp32", "data": description, "methods": METHODS},
                             "summary": summary, "runs": runs})
+
+
+def table(summary: dict) -> str:
+    rows = [[method, ", ".join(f"{t:,.0f}" for t in s["eager_tokens_per_s"]),
+             ", ".join(f"{t:,.0f}" for t in s["compiled_tokens_per_s"]), ", ".join(f"{x:.3f}" for x in s["speedup"]),
+             ", ".join(f"{t:.0f}" for t in s["first_step_s"])] for method, s in summary.items()]
+    return markdown_table(["method", "eager tok/s (per round)", "compiled tok/s", "speed-up per round",
+                           "compiled first step s"], "lrrrr", rows)
 
 
 def _worker(a: dict, result: Path) -> None:

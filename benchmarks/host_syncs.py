@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> None:
     settings = {"preset": args.preset, "steps": args.steps, "data": args.data}
     results = [{"method": method, "zero": zero, **run_workers(__file__, 1, {**settings, "method": method, "zero": zero})}
                for method in args.methods for zero in args.zero]
-    print(_table(results))
+    print(table(results))
     write_report(args.out, {"settings": settings, "results": results})
 
 
@@ -83,7 +83,7 @@ def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
 
 
-def _table(results: list[dict]) -> str:
+def table(results: list[dict]) -> str:
     rows = [[r["method"], str(r["zero"]), *(f"{r['per_step'][package]:g}" for package in PACKAGES),
              str(sum(r["per_topology_update"].values())) if r["per_topology_update"] else ""] for r in results]
     return markdown_table(["method", "ZeRO", "megasparse", "DeepSpeed", "torch.optim (host values)", "torch",

@@ -126,12 +126,16 @@ def _run(args: argparse.Namespace) -> None:
                                  "dense_tokens_per_s": median["dense"][i], "factored_tokens_per_s": median["factored"][i],
                                  "speedup": measured, "flop_speedup": flops[phase],
                                  "of_flop_speedup": measured / flops[phase]})
-    print(markdown_table(["preset", "batch", "phase", "dense tokens/s", "factored tokens/s", "speed-up",
-                          "FLOP speed-up", "measured / FLOP"], "lrlrrrrr",
-                         [[r["preset"], str(r["batch"]), r["phase"], f"{r['dense_tokens_per_s']:,.0f}",
-                           f"{r['factored_tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['flop_speedup']:.2f}x",
-                           f"{r['of_flop_speedup']:.2f}"] for r in rows]))
+    print(table(rows))
     write_report(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows})
+
+
+def table(rows: list[dict]) -> str:
+    return markdown_table(["preset", "batch", "phase", "dense tokens/s", "factored tokens/s", "speed-up",
+                           "FLOP speed-up", "measured / FLOP"], "lrlrrrrr",
+                          [[r["preset"], str(r["batch"]), r["phase"], f"{r['dense_tokens_per_s']:,.0f}",
+                            f"{r['factored_tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['flop_speedup']:.2f}x",
+                            f"{r['of_flop_speedup']:.2f}"] for r in rows])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> None:
     settings = {"preset": args.preset, "nproc": args.nproc, "repeats": args.repeats}
     result = run_workers(__file__, args.nproc, settings, env={"OMP_NUM_THREADS": "1"})
-    print(_table(result))
+    print(table(result))
     write_report(args.out, {"settings": settings, **result})
 
 
@@ -67,7 +67,7 @@ def _worker(a: dict, result: Path) -> None:
                                       / statistics.median(seconds["shared"])}))
 
 
-def _table(r: dict) -> str:
+def table(r: dict) -> str:
     rows = [[way, ", ".join(f"{s:.1f}" for s in times)] for way, times in r["seconds"].items()]
     return markdown_table(["SVDs", "seconds to build (slowest rank), per repeat"], "ll", rows) + (
         f"\n\n{r['factorised_layers']} factorised layers; shared / every rank: {r['speedup']:.2f}x faster; "

@@ -55,11 +55,7 @@ def _run(args: argparse.Namespace) -> None:
                 "log_interval": args.log_interval, "data": str(data)}
     rounds = [{arm: run_workers(__file__, 1, {**settings, "arm": arm}) for arm in ARMS} for _ in range(args.repeats)]
     ratios = {arm: [r["plain"]["median_step_time_s"] / r[arm]["median_step_time_s"] for r in rounds] for arm in ARMS[1:]}
-    rows = [[arm, ", ".join(f"{r[arm]['tokens_per_s']:,.0f}" for r in rounds),
-             ", ".join(f"{r[arm]['median_step_time_s']:.3f}" for r in rounds),
-             ", ".join(f"{x:.3f}" for x in ratios[arm]) if arm in ratios else "1"] for arm in ARMS]
-    print(markdown_table(["arm", "tokens/s per round (mean)", "median step s per round", "speed / plain (medians)"],
-                         "lrrr", rows), flush=True)
+    print(table(rounds), flush=True)
     profiles = ""
     if args.profile:
         profiles = "\n\n".join(f"## {arm}\n\n" + run_workers(__file__, 1, {**settings, "arm": arm, "profile": True})
@@ -70,6 +66,17 @@ def _run(args: argparse.Namespace) -> None:
                                          "precision": "fp32", "ranks": 1},
                             "ratios": ratios, "ratio_median": {arm: statistics.median(v) for arm, v in ratios.items()},
                             "rounds": rounds})
+
+
+def table(rounds: list[dict]) -> str:
+    """Each arm's tokens/s, median step time and speed against the plain loop (from the median step times),
+    per round."""
+    median = [{arm: statistics.median(r[arm]["step_times_s"]) for arm in ARMS} for r in rounds]
+    rows = [[arm, ", ".join(f"{r[arm]['tokens_per_s']:,.0f}" for r in rounds),
+             ", ".join(f"{m[arm]:.3f}" for m in median),
+             ", ".join(f"{m['plain'] / m[arm]:.3f}" for m in median) if arm != "plain" else "1"] for arm in ARMS]
+    return markdown_table(["arm", "tokens/s per round (mean)", "median step s per round",
+                           "speed / plain (medians) per round"], "lrrr", rows)
 
 
 def step_clock(step):

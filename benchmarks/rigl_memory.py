@@ -43,14 +43,18 @@ def _run(args: argparse.Namespace) -> None:
                                       "seq_len": args.seq_len, "micro_batch": args.micro_batch, "data": args.data,
                                       "compile": args.compile})
             for preset in args.presets for accumulation in args.accumulation]
+    print(table(runs))
+    write_report(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs})
+
+
+def table(runs: list[dict]) -> str:
     mb = 2**20
-    print(markdown_table(
+    return markdown_table(
         ["preset", "micro-batches", "ordinary step peak (MiB)", "update step peak (MiB)", "update - ordinary (MiB)",
          "all sparse W, fp32 (MiB)", "largest W, fp32 (MiB)", "index checksum"], "lrrrrrrl",
         [[r["preset"], str(r["accumulation"]), f"{r['ordinary_peak'] / mb:.1f}", f"{r['update_peak'] / mb:.1f}",
           f"{(r['update_peak'] - r['ordinary_peak']) / mb:.1f}", f"{r['all_dense_fp32'] / mb:.1f}",
-          f"{r['largest_dense_fp32'] / mb:.1f}", str(r["index_checksum"])] for r in runs]))
-    write_report(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs})
+          f"{r['largest_dense_fp32'] / mb:.1f}", str(r["index_checksum"])] for r in runs])
 
 
 def _step_peak(trainer, step: int) -> int:

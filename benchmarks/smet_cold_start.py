@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace) -> None:
         run["triggered"] = _triggered(run["train_loss"], dense, updates) if run["name"] != "dense" else []
     if not args.from_json:
         write_report(args.out, {"settings": settings, "measured_updates": updates, "runs": runs})
-    print(_table(runs))
+    print(table(runs))
     if args.plot:
         _plot(runs, args.plot, settings)
 
@@ -184,17 +184,19 @@ def _triggered(losses: list[float], reference: list[float], updates: list[int]) 
     return [statistics.mean(gap[u + k] - statistics.mean(gap[u - LOSS_WINDOW:u]) for u in full) for k in range(span)]
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
     rows = []
     for r in runs:
         rises = r["loss_rise"]
         spread = f"{statistics.mean(rises):+.4f} ± {statistics.stdev(rises) / len(rises) ** 0.5:.4f}" \
             if len(rises) > 1 else ""
-        ratio = r.get("cohort_ratio_mean")
-        peak = max(r.get("cohort_ratio_by_age") or [float("nan")])
-        rows.append([r["name"], f"{r['final_val_loss']:.4f}", "" if ratio is None else f"{ratio:.2f}",
-                     "" if ratio is None else f"{peak:.2f}", spread])
-    return markdown_table(["run", "final val loss", "young / mature |update|, first 200 steps", "peak (by age)",
+        ratio, by_age = r.get("cohort_ratio_mean"), r.get("cohort_ratio_by_age") or []
+        cohorts = list(r.get("cohort_ratio", {}).values())
+        peak = max(range(len(by_age)), key=by_age.__getitem__, default=None)
+        rows.append([r["name"], f"{r['final_val_loss']:.4f}",
+                     "" if ratio is None else f"{ratio:.2f} (cohorts {min(cohorts):.1f}–{max(cohorts):.1f})",
+                     "" if peak is None else f"{by_age[peak]:.2f} ({peak + 1})", spread])
+    return markdown_table(["run", "final val loss", "young / mature |update|, first 200 steps", "peak (age)",
                            "loss rise after an update (mean ± s.e.)"], "lrrrr", rows)
 
 

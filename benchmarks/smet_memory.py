@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> None:
                                              "data": args.data})
             smet["ratios"] = _ratios(smet, dense, density)
             runs.append(smet)
-    print(_table(runs))
+    print(table(runs))
     write_report(args.out, {"settings": {"ranks": 2, "zero_stage": 2, "precision": "fp32", "seq_len": args.seq_len},
                             "bounds": {k: f"<= {a} d + {b}" for k, (a, b) in BOUNDS.items()}, "runs": runs})
     failed = [f"{r['preset']} d={r['density']} {k}" for r in runs for k, v in r.get("ratios", {}).items()
@@ -148,7 +148,7 @@ def _optimizer_state_bytes(engine, optimizer, params, optimizer_fragments) -> in
     return total
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
     rows = []
     for r in runs:
         rank0 = r["per_rank"][0]

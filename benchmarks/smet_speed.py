@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import REPO, benchmark_main, clock, run_workers, short_run_overrides, start_trainer, write_report  # noqa: E402
+from common import (REPO, benchmark_main, clock, markdown_table, run_workers, short_run_overrides,  # noqa: E402
+                    start_trainer, write_report)
 
 DEFAULT_INTERVAL = 100
 
@@ -51,10 +52,21 @@ def _run(args: argparse.Namespace) -> None:
         "topology_update_s": round(update_s, 4),
         "update_share_at_interval_100": round(update_s / (DEFAULT_INTERVAL * smet_step), 5),
     }
-    print(json.dumps(summary, indent=2))
+    print(table(summary, args.density))
     write_report(args.out, {"settings": {**common, "density": args.density, "ranks": 2, "zero_stage": 2,
                                          "precision": "fp32"},
                             "summary": summary, "runs": [r for pair in pairs for r in pair]})
+
+
+def table(summary: dict, density: float) -> str:
+    return markdown_table(["", "dense AdamW", f"SMET d = {density}"], "lrr", [
+        ["median step time (s)", f"{summary['dense_step_time_s']:.3f}", f"{summary['smet_step_time_s']:.3f}"],
+        ["step time SMET / dense, per repeat", "",
+         ", ".join(f"{r:.3f}" for r in summary["step_time_ratios"])
+         + f" (median {summary['step_time_ratio_smet_over_dense']:.3f})"],
+        ["one topology update (s)", "", f"{summary['topology_update_s']:.3f}"],
+        [f"update cost amortised over {DEFAULT_INTERVAL} steps", "",
+         f"{100 * summary['update_share_at_interval_100']:.2f}% of training time"]])
 
 
 def _worker(a: dict, result: Path) -> None:

@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> None:
         run["paired_spike"] = _spike(run["train_loss"], updates, args.window, reference=dense)
         run["after_update"] = _after_update(run["train_loss"], dense, updates, args.window)
         run["vs_dense"] = run["final_val_loss"] / runs[0]["final_val_loss"] - 1
-    print(_table(runs))
+    print(table(runs))
     write_report(args.out, {"corpus": corpus, "settings": settings, "update_steps": updates,
                             "runs": [{k: v for k, v in r.items() if k != "train_loss"} | {"train_loss": r["train_loss"]}
                                      for r in runs]})
@@ -115,7 +115,7 @@ def _label(run: dict) -> str:
     return "dense AdamW" if run["density"] is None else f"{run['method']} d={run['density']}"
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
     return markdown_table(
         ["run", "final val loss", "vs dense", "largest spike: raw", "paired with dense",
          "mean gap rise after an update (peak)"], "lrrrrr",

@@ -58,11 +58,15 @@ def _run(args: argparse.Namespace) -> None:
             dense_ms, csr_ms = (statistics.median(times[k][1:]) * 1e3 for k in ("dense", "csr"))
             rows.append({"density": density, "tokens": tokens, "dense_ms": dense_ms, "csr_ms": csr_ms,
                          "csr_speedup": dense_ms / csr_ms})
-    print(markdown_table(["density", "rows of x", "dense block (ms)", "CSR block (ms)", "CSR speed-up"], "rrrrr",
-                         [[f"{r['density']}", str(r["tokens"]), f"{r['dense_ms']:.2f}", f"{r['csr_ms']:.2f}",
-                           f"{r['csr_speedup']:.2f}x"] for r in rows]))
+    print(table(rows))
     write_report(args.out, {"settings": {"preset": args.preset, "shapes": shapes, "repeats": args.repeats,
                                          "threads": torch.get_num_threads()}, "results": rows})
+
+
+def table(rows: list[dict]) -> str:
+    return markdown_table(["density", "rows of x", "dense block (ms)", "CSR block (ms)", "CSR speed-up"], "rrrrr",
+                          [[f"{r['density']}", str(r["tokens"]), f"{r['dense_ms']:.2f}", f"{r['csr_ms']:.2f}",
+                            f"{r['csr_speedup']:.2f}x"] for r in rows])
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> None:
         for run in runs:
             run.update(stability(run["train_loss"]))
         write_report(args.out, {"settings": settings, "runs": runs})
-    print(_table(runs))
+    print(table(runs))
     if args.plot:
         _plot(runs, args.plot, settings)
 
@@ -92,11 +92,13 @@ def _worker(a: dict, result: Path) -> None:
                                   "spectral_norm": norms}))
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
     return markdown_table(
-        ["arm", "final val loss", "diverged", "largest spike (EMA above best)", "largest ||A||+||B||"], "lrlrr",
+        ["arm", "final val loss", "training loss, last 100 steps", "diverged", "largest spike (EMA above best)",
+         "largest ||A||+||B||"], "lrrlrr",
         [[r["arm"], f"{r['final_val_loss']:.4f}" if math.isfinite(r["final_val_loss"]) else "nan",
-          "yes" if r["diverged"] else "no", f"{100 * r['spike']:.1f}%",
+          f"{sum(r['train_loss'][-100:]) / len(r['train_loss'][-100:]):.2f}", "yes" if r["diverged"] else "no",
+          f"{100 * r['spike']:.1f}%",
           f"{max(n for _, n in r['spectral_norm']):.2f}"] for r in runs])
 
 

@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> None:
             for m in args.multipliers for method in METHODS]
     for run in runs:
         run.update(stability(run["train_loss"]))
-    print(_table(runs))
+    print(table(runs))
     write_report(args.out, {"corpus": corpus, "settings": settings, "runs": runs})
     if args.plot:
         _plot(runs, args.plot, corpus)
@@ -116,7 +116,7 @@ def _label(run: dict) -> str:
     return f"{run['method']} ({rate})"
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
     return markdown_table(
         ["run", "final val loss", "diverged", "largest spike (EMA above best)", "largest ||A||+||B|| (dense ||W||)"],
         "lrlrr", [[_label(r), f"{r['final_val_loss']:.4f}" if math.isfinite(r["final_val_loss"]) else "nan",

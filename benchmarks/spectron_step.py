@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> None:
         preset, tp, dp, zero = LAYOUTS[name]
         worker = {"preset": preset, "tp": tp, "dp": dp, "zero": zero, "steps": args.steps, "data": args.data}
         results.append({"layout": name, **worker, **run_workers(__file__, tp * dp, worker)})
-    print(_table(results))
+    print(table(results))
     write_report(args.out, {"settings": {"steps": args.steps, "data": args.data}, "results": results})
 
 
@@ -77,12 +77,26 @@ def _worker(a: dict, result: Path) -> None:
             "step_seconds_median": statistics.median(seconds.values()), "steps_timed": len(seconds)}))
 
 
-def _table(results: list[dict]) -> str:
+def table(results: list[dict]) -> str:
     rows = [[r["layout"], str(r["factor_pairs"]), str(r["kernels_per_step"]),
              str(r["collectives_per_step"]["tensor_parallel"]), str(r["collectives_per_step"]["data_parallel"]),
              f"{r['step_seconds_median'] * 1e3:.1f}"] for r in results]
     return markdown_table(["layout", "pairs", "kernels / step", "TP collectives / step", "DP collectives / step",
                            "step (ms, median)"], "lrrrrr", rows)
+
+
+def comparison(before: list[dict], after: list[dict]) -> str:
+    """Two results of the same layouts side by side (a before and an after), with the step time's ratio."""
+    rows = []
+    for b, a in zip(before, after, strict=True):
+        assert b["layout"] == a["layout"], (b["layout"], a["layout"])
+        rows.append([a["layout"], str(a["factor_pairs"]), f"{b['kernels_per_step']:,} → {a['kernels_per_step']:,}",
+                     *(f"{b['collectives_per_step'][g]} → {a['collectives_per_step'][g]}"
+                       for g in ("tensor_parallel", "data_parallel")),
+                     f"{b['step_seconds_median'] * 1e3:,.0f} → {a['step_seconds_median'] * 1e3:,.0f}",
+                     f"{a['step_seconds_median'] / b['step_seconds_median']:.2f}"])
+    return markdown_table(["layout", "factor pairs", "kernels / step", "TP collectives / step",
+                           "DP collectives / step", "step (ms, median)", "step time after / before"], "lrrrrrr", rows)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> None:
     settings = {k: getattr(args, k) for k in SETTINGS}
     runs = [run_workers(__file__, nproc, {**settings, "preset": preset})
             for preset in args.presets for nproc in args.nprocs]
-    print(_table(runs))
+    print(table(runs))
     write_report(args.out, {"settings": settings, "runs": runs})
 
 
@@ -71,13 +71,21 @@ def _worker(a: dict, result: Path) -> None:
     }))
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
+    peaks = [_peaks(r) for r in runs]
     return markdown_table(
-        ["preset", "params (vocab)", "ranks", "step time (s)", "tokens/s",
-         f"{peak_label(runs[0]['peak_memory_per_rank'][0])} per rank (GB)"], "lrrrrl",
+        ["preset", "params (vocab)", "ranks", "step time (s)", "tokens/s", f"{peak_label(peaks[0][0])} per rank (GB)"],
+        "lrrrrl",
         [[r["preset"], f"{r['parameters'] / 1e6:.1f}M ({r['vocab_size']})", str(r["nproc"]), f"{r['step_time_s']:.3f}",
-          f"{r['tokens_per_s']:,.0f}", ", ".join(f"{shown_peak(m) / 2**30:.2f}" for m in r["peak_memory_per_rank"])]
-         for r in runs])
+          f"{r['tokens_per_s']:,.0f}", ", ".join(f"{shown_peak(m) / 2**30:.2f}" for m in p)]
+         for r, p in zip(runs, peaks)])
+
+
+def _peaks(run: dict) -> list[dict]:
+    """A run's peak memory per rank (a result from before ``peak_memory_per_rank`` has the resident set in GiB)."""
+    if "peak_memory_per_rank" in run:
+        return run["peak_memory_per_rank"]
+    return [{"peak_rss": gib * 2**30, "peak_accelerator": None} for gib in run["peak_rss_gb_per_rank"]]
 
 
 if __name__ == "__main__":

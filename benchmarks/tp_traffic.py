@@ -31,7 +31,7 @@ def _run(args: argparse.Namespace) -> None:
     settings = {"preset": args.preset, "tokens": args.tokens, "data": args.data}
     layers = run_workers(__file__, 2, {**settings, "what": "layers"})
     models = {kind: run_workers(__file__, 2, {**settings, "what": "model", "kind": kind}) for kind in ("dense", "lowrank")}
-    print(_table(layers, models))
+    print(table(layers, models))
     write_report(args.out, {"settings": {**settings, "tensor_parallel": 2}, "layers": layers, "models": models})
 
 
@@ -94,7 +94,7 @@ def _layer_traffic(a: dict) -> list[dict]:
     return rows
 
 
-def _table(layers: list[dict], models: dict) -> str:
+def table(layers: list[dict], models: dict) -> str:
     rows = [[r["role"], f"{r['shape'][0]} x {r['shape'][1]}", r["split"], str(r["rank"]),
              f"{r['dense_bytes'] / 1e6:.2f}", f"{r['lowrank_bytes'] / 1e6:.2f}",
              f"{r['lowrank_bytes'] / r['dense_bytes']:.3f}"] for r in layers]

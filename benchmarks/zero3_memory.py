@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace) -> None:
             ratios = {key: round(max(z3[key] / z2[key] for z2, z3 in zip(by_stage[2], by_stage[3])), 4) for key in RATIOS}
             runs.append({"method": method, "persistence_threshold": threshold, "zero2": by_stage[2],
                          "zero3": by_stage[3], "zero3_over_zero2_worst_rank": ratios})
-    print(_table(runs))
+    print(table(runs))
     write_report(args.out, {"settings": {"preset": args.preset, "ranks": 2, "precision": "bf16", "seq_len": args.seq_len,
                                          "steps_before_counting": 2}, "runs": runs})
 
@@ -107,7 +107,7 @@ def _storage(t) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _table(runs: list[dict]) -> str:
+def table(runs: list[dict]) -> str:
     rows = []
     for r in runs:
         for stage in ("zero2", "zero3"):

@@ -1,5 +1,5 @@
 """The package's structure: no import circles, and every module imports only from floors below its own
-(or from its own package), in the order the README's layout section gives. Imports are read from the
+(or from its own package), in the order docs/development.md's layout section gives. Imports are read from the
 source (top-level and inside functions alike), so a lazy import cannot hide a circle."""
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def floor(name: str) -> tuple[int, str]:
     """The floor of ``name`` and the prefix that placed it there (the longest that matches)."""
     matches = [(len(prefix), index, prefix) for index, prefixes in enumerate(FLOORS) for prefix in prefixes
                if name == prefix or name.startswith(prefix + ".")]
-    assert matches, f"{name} is on no floor: add it to FLOORS (and to the README's layout)"
+    assert matches, f"{name} is on no floor: add it to FLOORS (and to the layout in docs/development.md)"
     _, index, prefix = max(matches)
     return index, prefix
 

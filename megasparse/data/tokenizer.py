@@ -15,7 +15,7 @@ import sentencepiece as spm
 
 from megasparse.errors import UserError
 
-TRAINING_SENTENCES = 1_000_000  # lines sampled for training; enough for vocabularies up to ~64k
+TRAINING_SENTENCES = 1_000_000  # the first this many lines train it (not a sample); enough for vocabularies up to ~64k
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int, model_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Run metrics: JSON lines, TensorBoard scalars (when installed), Weights & Biases (``logging.wandb``) and
 progress (a bar on a terminal, plain lines in a log: :mod:`megasparse.progress`), on rank 0 only.
 
-``<output_dir>/metrics.jsonl`` holds one object per line, ``{"event": "train" | "eval" | "topology", "step": s, ...}``.
+``<output_dir>/metrics.jsonl`` holds one object per line,
+``{"event": "train" | "eval" | "topology" | "skipped" | "sample", "step": s, ...}`` (every field: docs/metrics.md).
 On resume, lines past the resumed step (written by the interrupted run after its last
 checkpoint) are dropped first, so the file always reads as one uninterrupted run.
 

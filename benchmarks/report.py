@@ -1,0 +1,246 @@
+"""Writes every table of numbers in the benchmark reports from the committed results, so that no report can
+disagree with its JSON.
+
+    python benchmarks/report.py           # rewrite the tables
+    python benchmarks/report.py --check   # write nothing; exit 1 listing each table that differs
+
+A generated table sits between two markers in a markdown file:
+
+    <!-- report: smet_memory -->
+    | ... the table, written by this script ... |
+    <!-- /report -->
+
+The name after ``report:`` is a key of :data:`TABLES`; everything between the markers is replaced by what that
+entry writes from ``benchmarks/results/*.json``, using the benchmark script's own table function where it has
+one. The files read are every ``.md`` under ``benchmarks/``, the repository's ``README.md`` and ``docs/*.md``.
+A table outside markers is not checked: it must say where its numbers come from.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+
+import activation_memory  # noqa: E402
+import compile_speed  # noqa: E402
+import host_syncs  # noqa: E402
+import inference_speed  # noqa: E402
+import lowrank_init  # noqa: E402
+import lowrank_speed  # noqa: E402
+import peers  # noqa: E402
+import rigl_memory  # noqa: E402
+import smet_cold_start  # noqa: E402
+import smet_memory  # noqa: E402
+import smet_speed  # noqa: E402
+import smet_stability  # noqa: E402
+import sparse_inference  # noqa: E402
+import spectron_ablation  # noqa: E402
+import spectron_stability  # noqa: E402
+import spectron_step  # noqa: E402
+import throughput  # noqa: E402
+import tp_traffic  # noqa: E402
+import zero3_memory  # noqa: E402
+from common import markdown_table  # noqa: E402
+
+MARKER = re.compile(r"(<!-- report: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /report -->)", re.DOTALL)
+FENCE = re.compile(r"(^```.*?^```[^\n]*$)", re.DOTALL | re.MULTILINE)
+
+# Each benchmark script (its stem) and what it measures; its results are results/STEM.json and results/STEM_*.json,
+# its report results/STEM.md.
+BENCHMARKS = {
+    "throughput": "`megasparse train` tokens/s and peak memory, dense AdamW, 1 and 2 ranks",
+    "smet_memory": "SMET's optimizer state, persistent state and gradient traffic per rank against dense AdamW",
+    "smet_speed": "SMET's step time against dense AdamW, and a topology update's cost",
+    "smet_stability": "loss after topology updates, naive dynamic sparsity against SMET (earlier design)",
+    "smet_cold_start": "the cold start of regrown weights under naive sparsity and SMET, and the loss after updates",
+    "lowrank_speed": "low-rank speed-up against its FLOP count, and Spectron's overhead over AdamW",
+    "spectron_step": "Spectron's optimizer step: kernels, collectives and time, before and after batching",
+    "tp_traffic": "tensor-parallel bytes per step, dense layers against low-rank ones",
+    "spectron_stability": "loss and spectral norms of dense AdamW, low-rank AdamW and Spectron over rates",
+    "spectron_ablation": "the paper's ablation: renormalisation, orthogonalisation, both, and the rank",
+    "compile_speed": "training tokens/s with `training.compile` against eager",
+    "peers": "megasparse's trainer against a plain PyTorch loop on the same model and batches",
+    "activation_memory": "memory and step time under each `training.activation_checkpointing` mode",
+    "zero3_memory": "what each rank holds between steps at ZeRO-3 against ZeRO-2",
+    "host_syncs": "calls that make the host wait for the accelerator, per training step",
+    "lowrank_init": "building a low-rank model: every rank's SVDs against shared ones",
+    "rigl_memory": "peak memory of RigL's update step against an ordinary step",
+    "sparse_inference": "a sparse block's products in CSR against dense, for inference",
+    "inference_speed": "a factored export's prefill and decode speed against the dense export",
+}
+
+# For every committed result: the commit that last wrote it (`git log -1 -- benchmarks/results/NAME.json`) and,
+# where another checkout's code was measured, which. Set by hand when a result is committed again.
+MEASURED_AT = {
+    "activation_memory.json": ("3ce9594 (2026-12-01)", None),
+    "compile_speed.json": ("3ce9594 (2026-12-01)", None),
+    "host_syncs.json": ("4209bd4 (2026-12-01)", None),
+    "host_syncs_before.json": ("4209bd4 (2026-12-01)", "e65ec62"),
+    "inference_speed.json": ("064f017 (2026-12-02)", None),
+    "inference_speed_before.json": ("e0efbfd (2026-12-02)", "4d6b548"),
+    "inference_speed_compiled.json": ("064f017 (2026-12-02)", None),
+    "lowrank_init.json": ("9c250c9 (2026-12-02)", None),
+    "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
+    "peers.json": ("3ce9594 (2026-12-01)", None),
+    "peers_before.json": ("3ce9594 (2026-12-01)", "3ce9594 without its single-rank ZeRO-0 change"),
+    "rigl_memory.json": ("e0efbfd (2026-12-02)", None),
+    "rigl_memory_before.json": ("c67c71d (2026-12-02)", "4d6b548"),
+    "rigl_memory_compiled.json": ("cfaf839 (2026-12-02)", None),
+    "smet_cold_start.json": ("cb900ad (2026-12-01)", None),
+    "smet_cold_start_pilot.json": ("219d64a (2026-12-01)", None),
+    "smet_memory.json": ("3d143b7 (2026-11-29)", None),
+    "smet_speed.json": ("93bd49d (2026-11-29)", None),
+    "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
+    "smet_stability_lr3e-3.json": ("93bd49d (2026-11-29)", None),
+    "sparse_inference.json": ("ba83736 (2026-12-02)", None),
+    "spectron_ablation.json": ("3c01074 (2026-12-01)", None),
+    "spectron_ablation_pilot.json": ("219d64a (2026-12-01)", None),
+    "spectron_stability.json": ("27ae9ff (2026-11-29)", None),
+    "spectron_step.json": ("eaeb235 (2026-12-01)", None),
+    "spectron_step_before.json": ("eaeb235 (2026-12-01)", "45b4853"),
+    "throughput.json": ("f8e7254 (2026-11-29)", None),
+    "tp_traffic.json": ("55cd2be (2026-11-29)", None),
+    "zero3_memory.json": ("693ed5d (2026-12-01)", None),
+}
+
+
+@functools.cache
+def result(name: str) -> dict:
+    """results/NAME.json."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def results_of(stem: str) -> list[str]:
+    """The names of a benchmark's results: STEM and STEM_*."""
+    return sorted(p.stem for p in RESULTS.glob("*.json") if p.stem == stem or p.stem.startswith(stem + "_"))
+
+
+def machine(name: str) -> str:
+    m = result(name)["machine"]
+    return (f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; Python {m['python']}, torch {m['torch']}, "
+            f"DeepSpeed {m['deepspeed']}")
+
+
+def provenance(stem: str) -> str:
+    """Where each of a benchmark's results comes from: its machine (from the JSON) and its commit."""
+    rows = []
+    for name in results_of(stem):
+        committed, code = MEASURED_AT[f"{name}.json"]
+        rows.append([f"[`{name}.json`]({name}.json)", machine(name), committed, f"code of {code}" if code else "same"])
+    return markdown_table(["result", "machine (from the JSON)", "committed at", "code measured"], "llll", rows)
+
+
+def index() -> str:
+    """benchmarks/README.md's list of benchmarks."""
+    rows = []
+    for stem, measures in BENCHMARKS.items():
+        commits = sorted({MEASURED_AT[f"{name}.json"][0].split()[0] for name in results_of(stem)})
+        rows.append([f"[`{stem}.py`]({stem}.py)", measures, f"[report](results/{stem}.md)", ", ".join(commits)])
+    return markdown_table(["script", "what it measures", "report", "results committed at"], "llll", rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "index": index,
+    **{f"{stem}.provenance": functools.partial(provenance, stem) for stem in BENCHMARKS},
+    "throughput": lambda: throughput.table(result("throughput")["runs"]),
+    "smet_memory": lambda: smet_memory.table(result("smet_memory")["runs"]),
+    "smet_speed": lambda: smet_speed.table(result("smet_speed")["summary"],
+                                           result("smet_speed")["settings"]["density"]),
+    "smet_stability.lr3e-3": lambda: smet_stability.table(result("smet_stability_lr3e-3")["runs"]),
+    "smet_stability.lr1e-2": lambda: smet_stability.table(result("smet_stability_lr1e-2")["runs"]),
+    "smet_cold_start": lambda: smet_cold_start.table(result("smet_cold_start")["runs"]),
+    "lowrank_speed": lambda: lowrank_speed.table(result("lowrank_speed")["results"]),
+    "lowrank_speed.ratios": lambda: lowrank_speed.ratio_table(result("lowrank_speed")["results"]),
+    "spectron_step": lambda: spectron_step.comparison(result("spectron_step_before")["results"],
+                                                      result("spectron_step")["results"]),
+    "tp_traffic": lambda: tp_traffic.table(result("tp_traffic")["layers"], result("tp_traffic")["models"]),
+    "spectron_stability": lambda: spectron_stability.table(result("spectron_stability")["runs"]),
+    "spectron_ablation": lambda: spectron_ablation.table(result("spectron_ablation")["runs"]),
+    "compile_speed": lambda: compile_speed.table(result("compile_speed")["summary"]),
+    **{name: functools.partial(lambda n: peers.table(result(n)["rounds"]), name)
+       for name in ("peers", "peers_before")},
+    "activation_memory": lambda: activation_memory.table(result("activation_memory")["summary"],
+                                                         result("activation_memory")["rounds"]),
+    "zero3_memory": lambda: zero3_memory.table(result("zero3_memory")["runs"]),
+    **{name: functools.partial(lambda n: host_syncs.table(result(n)["results"]), name)
+       for name in ("host_syncs", "host_syncs_before")},
+    "lowrank_init": lambda: lowrank_init.table(result("lowrank_init")),
+    **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
+       for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled")},
+    "sparse_inference": lambda: sparse_inference.table(result("sparse_inference")["results"]),
+    **{name: functools.partial(lambda n: inference_speed.table(result(n)["results"]), name)
+       for name in ("inference_speed", "inference_speed_before", "inference_speed_compiled")},
+}
+
+
+def report_files(repo: Path = REPO) -> list[Path]:
+    """The markdown files whose markers are filled: every .md under benchmarks/, README.md and docs/*.md."""
+    return sorted({*(repo / "benchmarks").rglob("*.md"), *(repo / "docs").glob("*.md"),
+                   *([repo / "README.md"] if (repo / "README.md").exists() else [])})
+
+
+def render(text: str) -> tuple[str, list[str]]:
+    """``text`` with every marked table written afresh, and the names of those that differed (``NAME (unknown)``
+    for a name :data:`TABLES` does not have, whose content is left alone)."""
+    changed: list[str] = []
+
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES:
+            changed.append(f"{name} (unknown)")
+            return match[0]
+        body = TABLES[name]() + "\n"
+        if body != match["body"]:
+            changed.append(name)
+        return match[1] + body + match[4]
+
+    parts = FENCE.split(text)  # markers inside fenced code blocks are examples, left alone
+    return "".join(part if i % 2 else MARKER.sub(fill, part) for i, part in enumerate(parts)), changed
+
+
+def update(files: list[Path], write: bool) -> list[str]:
+    """Rewrite the marked tables of ``files`` (only where ``write``); returns ``FILE: NAME`` for each one that
+    differed."""
+    stale = []
+    for path in files:
+        text = path.read_text()
+        new, changed = render(text)
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        stale += [f"{shown}: {name}" for name in changed]
+        if write and new != text:
+            path.write_text(new)
+    return stale
+
+
+def used_tables(files: list[Path]) -> set[str]:
+    """The table names that the markers of ``files`` ask for."""
+    return {m["name"] for path in files for i, part in enumerate(FENCE.split(path.read_text())) if not i % 2
+            for m in MARKER.finditer(part)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs")
+    args = parser.parse_args(argv)
+    files = report_files()
+    stale = update(files, write=not args.check)
+    unused = sorted(set(TABLES) - used_tables(files))
+    for line in stale:
+        print(("stale: " if args.check else "rewritten: ") + line)
+    for name in unused:
+        print(f"not in any report: {name}")
+    unknown = any(line.endswith("(unknown)") for line in stale)
+    return 1 if unknown or (args.check and (stale or unused)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
