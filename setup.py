@@ -38,8 +38,8 @@ setup(
         "bench": ["matplotlib"],
         "plot": ["matplotlib"],
         "hf": ["transformers"],  # megasparse generate
-        # transformers, protobuf: HF export/import tests; wandb: its logging test; matplotlib: megasparse plot's
-        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb", "matplotlib"],
+        # transformers, protobuf: HF export/import tests; wandb, tensorboard: their logging tests; matplotlib: megasparse plot's
+        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb", "matplotlib", "tensorboard"],
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
 )

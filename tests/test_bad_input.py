@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,6 +219,17 @@ def test_every_numeric_and_path_key_has_its_family():
     declared = {key for key, f in Config().keys() if "bounds" in f.metadata or "path" in f.metadata}
     covered = {case.message.split(":")[0].split("[")[0] for case in FAMILIES}
     assert declared <= covered, declared - covered
+
+
+def test_the_reliability_page_states_these_counts():
+    """docs/reliability.md's counts of the cases are this file's: a case added here fails until the page says so."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    stated = re.search(r"(\d+) written cases .*? and (\d+) generated from the declarations .*?: (\d+); .*?: (\d+); "
+                       r".*?: (\d+)\)", page)
+    assert stated, "docs/reliability.md no longer states the bad-input counts"
+    others = len(FAMILIES) - len(number_cases()) - len(path_cases())
+    assert tuple(map(int, stated.groups())) == (len(CASES), len(FAMILIES), len(number_cases()), len(path_cases()),
+                                                 others)
 
 
 def snapshot(directory: Path) -> dict[str, bytes | None]:
