@@ -115,6 +115,34 @@ def test_smet_step_equals_a_dense_masked_reference(mode, form, betas):
         assert (cohorts == MATURE).any()
 
 
+def step_temporaries(optimizer: torch.optim.Optimizer) -> int:
+    """The most bytes an optimizer step holds at once above what was there before it, counted from torch's
+    profiler (its memory timeline: the tensors the step touches, and every allocation and free, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        optimizer.step()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return max(sum(categories) for categories in sizes) - sum(sizes[0])
+
+
+@pytest.mark.parametrize("form", ["moment", "lr"])
+def test_the_smet_step_makes_under_4_bytes_per_slot(form):
+    """One flat tensor of slots of several cohorts (ZeRO-1/2's partition): a step's temporaries, counted, stay
+    under 4 bytes per slot (an int64 copy of the cohort ids and four gathered fp32 tables were 24)."""
+    cfg = sparse_config(optimizer={"lr": 0.01, "weight_decay": 0.1}, smet={"warmup_form": form})
+    layer = SparseLinear(1000, 1000, 0.5, WeightInit(0.02))
+    optimizer = build_optimizer(cfg, layer)
+    slots = layer.values.numel()
+    layer.values.grad = torch.randn(slots)
+    optimizer.step()
+    for cohort_slots in (torch.arange(0, slots, 7), torch.arange(3, slots, 11)):
+        optimizer.regrow(layer.values, cohort_slots, optimizer.open_cohort())
+        optimizer.step()
+    assert step_temporaries(optimizer) < 4 * slots
+
+
 def constant_gradient_run(mode: str, steps_before: int, steps_after: int, warmup: int = 10, form: str = "moment"):
     """One 4x4 layer at density 0.5, a constant gradient of 1, one regrowth after ``steps_before``
     steps: returns the regrown slot's weight after each later step."""

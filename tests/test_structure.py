@@ -86,3 +86,23 @@ def test_imports_go_down_the_floors():
             if target_level > level or (target_level == level and target_place != place):
                 upward.append(f"{name} (floor {level}) imports {target} (floor {target_level})")
     assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_layout_names_every_module():
+    """docs/development.md's layout names every module, each under its own folder."""
+    page = (PACKAGE.parent / "docs" / "development.md").read_text()
+    block = page.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}  # a folder's entry (or "" for the package's own modules) -> its text
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name = line.split()[0]
+            folder = name if name.endswith("/") else ""
+            entries[folder] = entries.get(folder, "") + line
+        elif line.startswith("   ") and entries:
+            entries[folder] += line
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if path.name == "__init__.py":
+            continue
+        folder = f"{relative.parent}/" if relative.parent.parts else ""
+        assert path.name in entries.get(folder, ""), f"{relative} is not in docs/development.md's layout"

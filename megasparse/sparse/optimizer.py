@@ -53,6 +53,7 @@ from megasparse.optim.adamw import adamw_update
 
 MATURE = 255
 _COHORTS = 256
+PIECES = 6  # a sparse tensor's step runs piece by piece (the step's temporaries: under 3 bytes per slot)
 _FP32_VANISH = 2.0**-24
 
 
@@ -92,13 +93,21 @@ class SMETAdam(torch.optim.Optimizer):
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         lr_c, rate_c, inv_sqrt_bc2_c, damp_c = self._cohort_tables(state, lr, beta1, beta2)
-        cohort = state["cohort"].long()
-        if self.warmup_form == "moment":
-            m.mul_(damp_c[cohort])
-        if decay:
-            p.mul_(1 - lr_c[cohort] * decay)
-        denom = (v.sqrt() * inv_sqrt_bc2_c[cohort]).add_(eps)
-        p.addcdiv_(m * rate_c[cohort], denom, value=-1.0)
+        moment = self.warmup_form == "moment"
+        # In PIECES pieces, so that what the step makes per slot (an int32 copy of the cohort ids, and at most
+        # three fp32 numbers at a time) is alive for one piece only: 16 bytes per slot of a piece, under
+        # 3 bytes per slot of the tensor. The per-cohort constants are gathered from their 256-entry tables.
+        pieces = [t.view(-1).chunk(PIECES) for t in (p, m, v, state["cohort"])]
+        for p_k, m_k, v_k, cohort_k in zip(*pieces):
+            ids = cohort_k.int()
+            if moment:
+                m_k.mul_(damp_c.index_select(0, ids))
+            if decay and moment:  # lr_c is lr for every cohort
+                p_k.mul_(1 - lr * decay)
+            elif decay:
+                p_k.addcmul_(p_k, lr_c.index_select(0, ids), value=-decay)
+            denom = v_k.sqrt().mul_(inv_sqrt_bc2_c.index_select(0, ids)).add_(eps)
+            p_k.addcdiv_(m_k * rate_c.index_select(0, ids), denom, value=-1.0)
 
     def _cohort_tables(self, state: dict, lr: float, beta1: float,
                        beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
