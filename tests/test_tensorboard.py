@@ -1,10 +1,12 @@
 """TensorBoard logging (``logging.tensorboard``): rank 0 alone writes an event file holding every scalar of
-metrics.jsonl at its step, and the samples as text."""
+metrics.jsonl at its step, and the samples as text; docs/metrics.md names every event and field the run wrote."""
 from __future__ import annotations
 
 import json
 
 import pytest
+from pathlib import Path
+
 from helpers import megasparse, tiny_config, write_config
 
 from megasparse.train.metrics import METRICS_FILE
@@ -34,3 +36,7 @@ def test_the_event_file_holds_every_scalar_and_the_samples(dataset, tmp_path):
     assert sorted(samples) == [4, 8]
     texts = {event.step: event.tensor_proto.string_val[0].decode() for event in board.Tensors("sample/text_summary")}
     assert texts == samples
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    for record in records:
+        for key in (record["event"], *(key for key in record if key != "event")):  # the events by name, and fields
+            assert f"`{key}`" in documented, f"metrics.jsonl's {key} is not in docs/metrics.md"
