@@ -40,6 +40,7 @@ import peers  # noqa: E402
 import rigl_memory  # noqa: E402
 import smet_cold_start  # noqa: E402
 import smet_memory  # noqa: E402
+import smet_scaling  # noqa: E402
 import smet_speed  # noqa: E402
 import smet_stability  # noqa: E402
 import sparse_inference  # noqa: E402
@@ -59,6 +60,7 @@ FENCE = re.compile(r"(^```.*?^```[^\n]*$)", re.DOTALL | re.MULTILINE)
 BENCHMARKS = {
     "throughput": "`megasparse train` tokens/s and peak memory, dense AdamW, 1 and 2 ranks",
     "smet_memory": "SMET's optimizer state, persistent state and gradient traffic per rank against dense AdamW",
+    "smet_scaling": "SMET's bytes per rank against dense AdamW over precision, ZeRO stage and ranks",
     "smet_speed": "SMET's step time against dense AdamW, and a topology update's cost",
     "smet_stability": "loss after topology updates, naive dynamic sparsity against SMET (earlier design)",
     "smet_cold_start": "the cold start of regrown weights under naive sparsity and SMET, and the loss after updates",
@@ -98,6 +100,7 @@ MEASURED_AT = {
     "smet_cold_start.json": ("cb900ad (2026-12-01)", None),
     "smet_cold_start_pilot.json": ("219d64a (2026-12-01)", None),
     "smet_memory.json": ("3d143b7 (2026-11-29)", None),
+    "smet_scaling_before.json": ("COMMIT", "6ea818d"),
     "smet_speed.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr3e-3.json": ("93bd49d (2026-11-29)", None),
@@ -153,6 +156,7 @@ TABLES: dict[str, Callable[[], str]] = {
     **{f"{stem}.provenance": functools.partial(provenance, stem) for stem in BENCHMARKS},
     "throughput": lambda: throughput.table(result("throughput")["runs"]),
     "smet_memory": lambda: smet_memory.table(result("smet_memory")["runs"]),
+    "smet_scaling_before": lambda: smet_scaling.table(result("smet_scaling_before")["runs"]),
     "smet_speed": lambda: smet_speed.table(result("smet_speed")["summary"],
                                            result("smet_speed")["settings"]["density"]),
     "smet_stability.lr3e-3": lambda: smet_stability.table(result("smet_stability_lr3e-3")["runs"]),

@@ -1,0 +1,136 @@
+"""SMET's bytes per rank against dense AdamW over precision, ZeRO stage and the number of ranks.
+
+    python benchmarks/smet_scaling.py --ranks 2 4 8 --stages 1 2 3 --precisions bf16 fp32 \
+        --densities 0.5 0.25 0.1 --out benchmarks/results/smet_scaling.json
+
+Each run trains llama-20m's shape with a 512-piece tokenizer (WikiText-2, so that the projections dominate the
+model) for 2 steps on N processes, at one ZeRO stage and precision, dense AdamW or SMET at a density, and writes
+a checkpoint after step 2. Two measures per rank:
+
+- **checkpoint bytes**: the module file(s) this rank holds (at ZeRO-1/2 the one module state, which every rank
+  also holds in memory, counted for each rank; at ZeRO-3 the rank's own model-states file) plus this rank's
+  optimizer partition file (DeepSpeed's own files, as written);
+- **live module bytes**, counted from the live tensors after step 2, for the attention and MLP projections and
+  for the whole model: the weights this rank holds (the parameter at ZeRO-1/2, its partition ``ds_tensor`` at
+  ZeRO-3; the compact values for SMET) and SMET's index buffers, which stay whole on every rank at every stage.
+
+The ratio SMET / dense of each measure is reported per run, against the bound the SMET memory issue sets for
+the projections (1.15·d + 0.04).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer, wikitext_dataset, \
+    write_report  # noqa: E402
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PRESET, VOCAB, SEQ_LEN = "llama-20m", 512, 64
+
+
+def bound(density: float) -> float:
+    return 1.15 * density + 0.04
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    parser.add_argument("--densities", nargs="+", type=float, default=[0.5, 0.25, 0.1])
+
+
+def _run(args: argparse.Namespace) -> None:
+    data, described = wikitext_dataset(VOCAB)
+    runs = []
+    for precision in args.precisions:
+        for stage in args.stages:
+            for ranks in args.ranks:
+                setting = {"precision": precision, "stage": stage, "ranks": ranks, "data": str(data)}
+                dense = run_workers(__file__, ranks, {**setting, "density": None})
+                runs.append(dense)
+                for density in args.densities:
+                    smet = run_workers(__file__, ranks, {**setting, "density": density})
+                    smet["ratios"] = ratios(smet, dense)
+                    runs.append(smet)
+                print(table(runs[-1 - len(args.densities):]), flush=True)
+    print(table(runs))
+    write_report(args.out, {"settings": {"preset": PRESET, "vocab": VOCAB, "seq_len": SEQ_LEN, "data": described,
+                                         "steps": 2},
+                            "runs": runs})
+
+
+def ratios(smet: dict, dense: dict) -> dict:
+    """SMET / dense for each measure, the worst rank's."""
+    keys = ("checkpoint", "live_projections", "live_model")
+    return {key: round(max(s[key] / d[key] for s, d in zip(smet["per_rank"], dense["per_rank"])), 4) for key in keys}
+
+
+def _worker(a: dict, result: Path) -> None:
+    import deepspeed.comm as dist
+
+    sparse = a["density"] is not None
+    method = ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
+              "sparse.update_interval=1"] if sparse else []
+    out = result.parent / "run"
+    overrides = short_run_overrides(PRESET, a["data"], SEQ_LEN, 2, 2, 2 * a["ranks"], out)
+    trainer = start_trainer([*overrides, f"training.precision={a['precision']}", f"parallel.zero_stage={a['stage']}",
+                             "checkpoint.save_final=true", *method])
+    trainer.run()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {"checkpoint": _checkpoint_bytes(out / "checkpoints" / "step_00000002", rank, a["stage"]),
+            **_live_bytes(trainer.engine.module)}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    if rank == 0:
+        result.write_text(json.dumps({"precision": a["precision"], "stage": a["stage"], "ranks": world,
+                                      "method": "smet" if sparse else "adamw", "density": a["density"],
+                                      "per_rank": per_rank}))
+
+
+def _checkpoint_bytes(checkpoint: Path, rank: int, stage: int) -> int:
+    """This rank's module file(s) and optimizer partition file, as DeepSpeed wrote them."""
+    files = [*checkpoint.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")]
+    files += [*checkpoint.glob(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")] if stage == 3 else \
+        [*checkpoint.glob("mp_rank_00_model_states.pt")]
+    assert len(files) == 2, f"{checkpoint}: rank {rank}'s files not found ({files})"
+    return sum(f.stat().st_size for f in files)
+
+
+def _live_bytes(module) -> dict[str, int]:
+    """The weights this rank holds (the ZeRO-3 partition where there is one) and the index buffers, for the
+    projections and for the whole model."""
+    projections = model = 0
+    for name, p in module.named_parameters():
+        held = getattr(p, "ds_tensor", p)
+        size = held.numel() * held.element_size()
+        model += size
+        projections += size if name.split(".")[-2] in PROJECTIONS else 0
+    for name, buffer in module.named_buffers():
+        if name.endswith(".index"):  # SMET's positions: whole on every rank
+            size = buffer.numel() * buffer.element_size()
+            model += size
+            projections += size
+    return {"live_projections": projections, "live_model": model}
+
+
+def table(runs: list[dict]) -> str:
+    rows = []
+    for r in runs:
+        rank0 = r["per_rank"][0]
+        method = "dense AdamW" if r["density"] is None else f"SMET d={r['density']}"
+        shown = r.get("ratios")
+        rows.append([r["precision"], f"ZeRO-{r['stage']}", str(r["ranks"]), method,
+                     f"{rank0['checkpoint'] / 1e6:.2f}", f"{rank0['live_projections'] / 1e6:.2f}",
+                     f"{shown['checkpoint']:.2f}" if shown else "-", f"{shown['live_projections']:.2f}" if shown else "-",
+                     f"{bound(r['density']):.3f}" if shown else "-"])
+    return markdown_table(["precision", "stage", "ranks", "method", "checkpoint (MB/rank)",
+                           "projections held (MB/rank)", "SMET/dense checkpoint", "SMET/dense projections held",
+                           "goal (1.15 d + 0.04)"], "lllrrrrrr", rows)
+
+
+if __name__ == "__main__":
+    benchmark_main(__doc__, _arguments, _run, _worker)
