@@ -100,7 +100,7 @@ MEASURED_AT = {
     "smet_cold_start.json": ("cb900ad (2026-12-01)", None),
     "smet_cold_start_pilot.json": ("219d64a (2026-12-01)", None),
     "smet_memory.json": ("3d143b7 (2026-11-29)", None),
-    "smet_scaling_before.json": ("COMMIT", "6ea818d"),
+    "smet_scaling_before.json": ("1e2431b (2026-12-02)", "6ea818d"),
     "smet_speed.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr3e-3.json": ("93bd49d (2026-11-29)", None),
