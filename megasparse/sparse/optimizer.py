@@ -53,7 +53,7 @@ from megasparse.optim.adamw import adamw_update
 
 MATURE = 255
 _COHORTS = 256
-PIECES = 6  # a sparse tensor's step runs piece by piece (the step's temporaries: under 3 bytes per slot)
+PIECES, MIN_PIECE = 6, 2**16  # a large sparse tensor's step runs in PIECES pieces of MIN_PIECE slots or more
 _FP32_VANISH = 2.0**-24
 
 
@@ -94,16 +94,18 @@ class SMETAdam(torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         lr_c, rate_c, inv_sqrt_bc2_c, damp_c = self._cohort_tables(state, lr, beta1, beta2)
         moment = self.warmup_form == "moment"
-        # In PIECES pieces, so that what the step makes per slot (an int32 copy of the cohort ids, and at most
-        # three fp32 numbers at a time) is alive for one piece only: 16 bytes per slot of a piece, under
-        # 3 bytes per slot of the tensor. The per-cohort constants are gathered from their 256-entry tables.
-        pieces = [t.view(-1).chunk(PIECES) for t in (p, m, v, state["cohort"])]
-        for p_k, m_k, v_k, cohort_k in zip(*pieces):
+        if decay and moment:  # lr_c is lr for every cohort
+            p.mul_(1 - lr * decay)
+        # Piece by piece, so that what the step makes per slot (an int32 copy of the cohort ids, and at most three
+        # fp32 numbers at a time) is alive for one piece only: 16 bytes per slot of a piece, under 3 bytes per
+        # slot of the tensor. A tensor under PIECES * MIN_PIECE slots stays whole (at most 16 * PIECES * MIN_PIECE
+        # bytes, 6 MiB), so that pieces do not multiply a small tensor's kernels. The per-cohort constants come
+        # from 256-entry tables.
+        pieces = PIECES if p.numel() >= PIECES * MIN_PIECE else 1
+        for p_k, m_k, v_k, cohort_k in zip(*(t.view(-1).chunk(pieces) for t in (p, m, v, state["cohort"]))):
             ids = cohort_k.int()
             if moment:
                 m_k.mul_(damp_c.index_select(0, ids))
-            if decay and moment:  # lr_c is lr for every cohort
-                p_k.mul_(1 - lr * decay)
             elif decay:
                 p_k.addcmul_(p_k, lr_c.index_select(0, ids), value=-decay)
             denom = v_k.sqrt().mul_(inv_sqrt_bc2_c.index_select(0, ids)).add_(eps)

@@ -3,13 +3,13 @@
 Slurm sends SIGUSR1 a chosen time before a job's limit (``--signal=USR1@SECONDS``): that is the clean
 stop under Slurm. (At the limit or on preemption it sends SIGTERM to every process of the job, ``srun``
 included, and ``srun`` then kills the ranks at once; a SIGTERM that reaches only the ranks, as torchrun and
-DeepSpeed's launcher pass it on, stops them cleanly.) The handler only records the signal. In every optimizer step all ranks agree on it within the step decision's one all-reduce
-(train/guard.py), so every rank stops after the same step even when only some of them were signalled
-(a signal that arrives after the step's backward counts from the next step); the trainer then saves a
-checkpoint (unless it just did), writes ``interrupted.json`` into its output directory and returns,
-and the process exits 0. A job script that finds the marker requeues itself and resumes with
-``--resume auto``; the next run removes the marker. A second SIGTERM ends the process at once,
-without touching the checkpoints already written.
+DeepSpeed's launcher pass it on, stops them cleanly.) The handler only records the signal. In every
+optimizer step all ranks agree on it within the step decision's one all-reduce (train/guard.py), so every
+rank stops after the same step even when only some of them were signalled (a signal that arrives after the
+step's backward counts from the next step); the trainer then saves a checkpoint (unless it just did), writes
+``interrupted.json`` into its output directory and returns, and the process exits 0. A job script that finds
+the marker requeues itself and resumes with ``--resume auto``; the next run removes the marker. A second
+SIGTERM ends the process at once, without touching the checkpoints already written.
 """
 from __future__ import annotations
 
