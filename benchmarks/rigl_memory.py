@@ -14,8 +14,8 @@ is an ordinary step. Steps 2 and 3 run under torch's profiler with memory profil
 the largest sum of the bytes allocated minus freed since the step began (every allocation of the process on
 the trainer's device, CPU or GPU, counted exactly, not sampled; the profiler's memory timeline, a private
 torch API). Reported: both peaks, their difference (what collecting costs), and for scale the fp32 dense
-matrices of all sparse layers together and of the largest one. A checksum of every layer's index after the
-update shows that the runs compared took the same decision.
+matrices of all sparse layers together and of the largest one. A checksum of every layer's positions after the
+update (of its index before 2026-12, of its mask since) shows that the runs compared took the same decision.
 """
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def table(runs: list[dict]) -> str:
     mb = 2**20
     return markdown_table(
         ["preset", "micro-batches", "ordinary step peak (MiB)", "update step peak (MiB)", "update - ordinary (MiB)",
-         "all sparse W, fp32 (MiB)", "largest W, fp32 (MiB)", "index checksum"], "lrrrrrrl",
+         "all sparse W, fp32 (MiB)", "largest W, fp32 (MiB)", "checksum"], "lrrrrrrl",
         [[r["preset"], str(r["accumulation"]), f"{r['ordinary_peak'] / mb:.1f}", f"{r['update_peak'] / mb:.1f}",
           f"{(r['update_peak'] - r['ordinary_peak']) / mb:.1f}", f"{r['all_dense_fp32'] / mb:.1f}",
-          f"{r['largest_dense_fp32'] / mb:.1f}", str(r["index_checksum"])] for r in runs])
+          f"{r['largest_dense_fp32'] / mb:.1f}", str(r.get("mask_checksum", r.get("index_checksum")))] for r in runs])
 
 
 def _step_peak(trainer, step: int) -> int:
@@ -73,7 +73,7 @@ def _step_peak(trainer, step: int) -> int:
 
 def _worker(a: dict, result: Path) -> None:
     from megasparse.sparse.layer import SparseLinear
-    from megasparse.sparse.topology import index_checksum
+    from megasparse.sparse.mask import mask_checksum
 
     overrides = short_run_overrides(a["preset"], a["data"], a["seq_len"], 3, a["micro_batch"],
                                     a["micro_batch"] * a["accumulation"], result.parent / "run")
@@ -86,13 +86,13 @@ def _worker(a: dict, result: Path) -> None:
     trainer.run()
     update_peak = _step_peak(trainer, 2)
     layers = [m for m in trainer.engine.module.modules() if isinstance(m, SparseLinear)]
-    checksum = sum(int(index_checksum(layer.index)) for layer in layers)
+    checksum = sum(int(mask_checksum(layer.mask)) for layer in layers)
     ordinary_peak = _step_peak(trainer, 3)
     dense = [layer.in_features * layer.out_features * 4 for layer in layers]
     result.write_text(json.dumps({"preset": a["preset"], "accumulation": a["accumulation"],
                                   "ordinary_peak": ordinary_peak, "update_peak": update_peak,
                                   "all_dense_fp32": sum(dense), "largest_dense_fp32": max(dense),
-                                  "index_checksum": checksum}))
+                                  "mask_checksum": checksum}))
 
 
 if __name__ == "__main__":

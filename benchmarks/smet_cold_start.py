@@ -119,23 +119,28 @@ def _worker(a: dict, result: Path) -> None:
 class CohortProbe:
     """Per optimizer step after ``start``: the mean |update| of each young cohort's slots (by age) and of
     the mature slots, read around the client optimizer's step at ZeRO-0 (the optimizer holds the layers'
-    value vectors themselves); slot births are read off the topology updates (a re-pointed slot is new)."""
+    value vectors themselves); births are read off the topology updates (a position an update activates is new)."""
 
     def __init__(self, trainer, start: int) -> None:
         import torch
 
+        from megasparse.sparse.mask import unpack
+
         self.trainer, self.start = trainer, start
         self.layers = trainer.topology.layers
-        self.birth = [torch.zeros(layer.nnz) for layer in self.layers]
+        self.birth = [torch.zeros(layer.in_features * layer.out_features) for layer in self.layers]  # per position
         self.before: list = []
         self.young: dict[int, list[float]] = {}  # cohort birth step -> ratio at ages 1, 2, ...
         update = trainer.topology.update
 
+        def active(layer):
+            return unpack(layer.mask, layer.in_features * layer.out_features)
+
         def tracked_update(step: int):
-            indices = [layer.index.clone() for layer in self.layers]
+            before = [active(layer) for layer in self.layers]
             summary = update(step)
-            for layer, old, birth in zip(self.layers, indices, self.birth):
-                birth[layer.index != old] = step
+            for layer, old, birth in zip(self.layers, before, self.birth):
+                birth[active(layer) & ~old] = step
             return summary
 
         trainer.topology.update = tracked_update
@@ -153,12 +158,13 @@ class CohortProbe:
             return
         step = self.trainer.step + 1
         moves = [(layer.values.detach() - before).abs() for layer, before in zip(self.layers, self.before)]
-        ages = [step - birth for birth in self.birth]
+        births = [birth[layer.positions()] for layer, birth in zip(self.layers, self.birth)]  # per slot
+        ages = [step - birth for birth in births]
         mature = torch.cat([m[a >= MATURE_AGE] for m, a in zip(moves, ages)]).mean().item()
-        cohorts = {int(b) for birth in self.birth for b in birth.unique().tolist() if 0 < step - b <= COHORT_STEPS}
+        cohorts = {int(b) for birth in births for b in birth.unique().tolist() if 0 < step - b <= COHORT_STEPS}
         for born in cohorts:
             if born > self.start:
-                young = torch.cat([m[birth == born] for m, birth in zip(moves, self.birth)]).mean().item()
+                young = torch.cat([m[birth == born] for m, birth in zip(moves, births)]).mean().item()
                 self.young.setdefault(born, []).append(young / mature)
 
     def summary(self) -> dict:

@@ -11,7 +11,7 @@ embeddings, head and norms are dense in both runs):
 - optimizer state: the bytes of this rank's slices of every optimizer state tensor (moments,
   SMET's cohort ids) plus its non-tensor bookkeeping (step counts, birth tables);
 - persistent state: that, plus the module's copy of the weights (the compact values for SMET),
-  SMET's index buffers, this rank's fp32 master slice and its gradient slice, read after the
+  SMET's packed masks, this rank's fp32 master slice and its gradient slice, read after the
   backward pass (when the gradients exist) and before the optimizer step;
 - gradient bytes reduced: every collective DeepSpeed issues while reducing gradient buckets
   in the backward pass is counted (bytes of the tensors passed to deepspeed.comm); each bucket's
@@ -113,8 +113,8 @@ def _worker(a: dict, result: Path) -> None:
     masters = sum(f.numel * f.owner.element_size() for p in projections.values()
                   for f in optimizer_fragments(engine, optimizer, p))
     values = sum(p.numel() * p.element_size() for p in projections.values())
-    indices = sum(m.index.numel() * m.index.element_size() for m in engine.module.modules()
-                  if isinstance(m, SparseLinear))
+    masks = [getattr(m.mask, "ds_tensor", m.mask) for m in engine.module.modules() if isinstance(m, SparseLinear)]
+    indices = sum(mask.numel() * mask.element_size() for mask in masks)
     engine.step()
     mine = {"optimizer_state": state_bytes, "values": values, "indices": indices, "master": masters, "grads": grads,
             "grad_reduced": reduced["projections"], "grad_reduced_all_params": reduced["all"],

@@ -5,17 +5,20 @@
 
 Each run trains llama-20m's shape with a 512-piece tokenizer (WikiText-2, so that the projections dominate the
 model) for 2 steps on N processes, at one ZeRO stage and precision, dense AdamW or SMET at a density, and writes
-a checkpoint after step 2. Two measures per rank:
+a checkpoint after step 2. Measures per rank:
 
 - **checkpoint bytes**: the module file(s) this rank holds (at ZeRO-1/2 the one module state, which every rank
   also holds in memory, counted for each rank; at ZeRO-3 the rank's own model-states file) plus this rank's
   optimizer partition file (DeepSpeed's own files, as written);
 - **live module bytes**, counted from the live tensors after step 2, for the attention and MLP projections and
   for the whole model: the weights this rank holds (the parameter at ZeRO-1/2, its partition ``ds_tensor`` at
-  ZeRO-3; the compact values for SMET) and SMET's index buffers, which stay whole on every rank at every stage.
+  ZeRO-3; for SMET the compact values and the packed masks, which ZeRO-3 partitions like the values);
+- **persistent bytes** by kind (weights, masks, fp32 masters, moments, cohort ids; ``held_bytes`` of
+  megasparse/train/memory.py), for the projections and for the whole model, and what ``megasparse plan``
+  predicts for the same config (``planned``).
 
-The ratio SMET / dense of each measure is reported per run, against the bound the SMET memory issue sets for
-the projections (1.15·d + 0.04).
+The ratio SMET / dense of each measure is reported per run (the worst rank's), against the goal the SMET memory
+issue sets for the projections' persistent bytes (1.15·d + 0.04).
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ def _run(args: argparse.Namespace) -> None:
                     smet = run_workers(__file__, ranks, {**setting, "density": density})
                     smet["ratios"] = ratios(smet, dense)
                     runs.append(smet)
-                print(table(runs[-1 - len(args.densities):]), flush=True)
-    print(table(runs))
+                print(persistent_table(runs[-1 - len(args.densities):]), flush=True)
+    print(persistent_table(runs))
     write_report(args.out, {"settings": {"preset": PRESET, "vocab": VOCAB, "seq_len": SEQ_LEN, "data": described,
                                          "steps": 2},
                             "runs": runs})
@@ -65,12 +68,15 @@ def _run(args: argparse.Namespace) -> None:
 
 def ratios(smet: dict, dense: dict) -> dict:
     """SMET / dense for each measure, the worst rank's."""
-    keys = ("checkpoint", "live_projections", "live_model")
+    keys = ("checkpoint", "live_projections", "live_model", "persistent_projections", "persistent_model")
     return {key: round(max(s[key] / d[key] for s, d in zip(smet["per_rank"], dense["per_rank"])), 4) for key in keys}
 
 
 def _worker(a: dict, result: Path) -> None:
     import deepspeed.comm as dist
+
+    from megasparse.plan import plan
+    from megasparse.train.memory import KINDS, held_bytes
 
     sparse = a["density"] is not None
     method = ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
@@ -81,8 +87,14 @@ def _worker(a: dict, result: Path) -> None:
                              "checkpoint.save_final=true", *method])
     trainer.run()
     rank, world = dist.get_rank(), dist.get_world_size()
+    projections = held_bytes(trainer.engine, trainer.optimizer, lambda name: name.split(".")[-2] in PROJECTIONS)
+    model = held_bytes(trainer.engine, trainer.optimizer)
+    planned = plan(trainer.cfg, world, trainer.data.vocab_size)
     mine = {"checkpoint": _checkpoint_bytes(out / "checkpoints" / "step_00000002", rank, a["stage"]),
-            **_live_bytes(trainer.engine.module)}
+            **_live_bytes(trainer.engine.module), "held_projections": projections, "held_model": model,
+            "persistent_projections": sum(projections.values()), "persistent_model": sum(model.values()),
+            "planned_projections": sum(planned.projections[kind] for kind in KINDS),
+            "planned_model": planned.persistent}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, mine)
     if rank == 0:
@@ -101,7 +113,7 @@ def _checkpoint_bytes(checkpoint: Path, rank: int, stage: int) -> int:
 
 
 def _live_bytes(module) -> dict[str, int]:
-    """The weights this rank holds (the ZeRO-3 partition where there is one) and the index buffers, for the
+    """The weights this rank holds (the ZeRO-3 partition where there is one; SMET's masks among them), for the
     projections and for the whole model."""
     projections = model = 0
     for name, p in module.named_parameters():
@@ -109,11 +121,6 @@ def _live_bytes(module) -> dict[str, int]:
         size = held.numel() * held.element_size()
         model += size
         projections += size if name.split(".")[-2] in PROJECTIONS else 0
-    for name, buffer in module.named_buffers():
-        if name.endswith(".index"):  # SMET's positions: whole on every rank
-            size = buffer.numel() * buffer.element_size()
-            model += size
-            projections += size
     return {"live_projections": projections, "live_model": model}
 
 
@@ -130,6 +137,23 @@ def table(runs: list[dict]) -> str:
     return markdown_table(["precision", "stage", "ranks", "method", "checkpoint (MB/rank)",
                            "projections held (MB/rank)", "SMET/dense checkpoint", "SMET/dense projections held",
                            "goal (1.15 d + 0.04)"], "lllrrrrrr", rows)
+
+
+def persistent_table(runs: list[dict]) -> str:
+    """Rank 0's persistent bytes (held, and as planned) and the worst rank's SMET / dense ratios."""
+    rows = []
+    for r in runs:
+        rank0 = r["per_rank"][0]
+        method = "dense AdamW" if r["density"] is None else f"SMET d={r['density']}"
+        shown = r.get("ratios")
+        rows.append([r["precision"], f"ZeRO-{r['stage']}", str(r["ranks"]), method,
+                     f"{rank0['persistent_model'] / 1e6:.2f}", f"{rank0['persistent_projections'] / 1e6:.3f}",
+                     f"{rank0['planned_projections'] / rank0['persistent_projections']:.3f}",
+                     f"{shown['persistent_projections']:.3f}" if shown else "-",
+                     f"{bound(r['density']):.3f}" if shown else "-", f"{shown['checkpoint']:.2f}" if shown else "-"])
+    return markdown_table(["precision", "stage", "ranks", "method", "persistent, model (MB/rank)",
+                           "persistent, projections (MB/rank)", "planned / held", "SMET/dense projections",
+                           "goal (1.15 d + 0.04)", "SMET/dense checkpoint"], "lllrrrrrrr", rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The ``megasparse`` command: ``config``, ``prepare-data``, ``train``, ``launch``, ``inspect``, ``generate``,
-``convert`` and ``plot``."""
+"""The ``megasparse`` command: ``config``, ``plan``, ``prepare-data``, ``train``, ``launch``, ``inspect``,
+``generate``, ``convert`` and ``plot``."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     _config_arguments(show, required=True)
     show.add_argument("--world-size", type=int, default=1, help="number of processes the DeepSpeed JSON is for")
     show.set_defaults(run=_show_config)
+
+    planned = commands.add_parser("plan", help="bytes per rank by kind on N GPUs, against dense AdamW, and whether "
+                                               "it fits")
+    _config_arguments(planned, required=True)
+    planned.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs (processes)")
+    planned.add_argument("--gpu-memory", type=float, metavar="GB", help="memory per GPU, to say whether it fits")
+    planned.set_defaults(run=_plan)
 
     prep = commands.add_parser("prepare-data", help="tokenize text into packed shards (default: embedded corpus)")
     _config_arguments(prep, required=False)
@@ -98,6 +105,14 @@ def _show_config(args: argparse.Namespace) -> None:
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(f"# DeepSpeed config for {args.world_size} process(es): {tp} tensor-parallel x {dp} data-parallel")
     print(json.dumps(deepspeed_config(cfg, dp), indent=2))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from megasparse.plan import report
+
+    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
+        raise UserError(f"--gpus must be at least 1 and --gpu-memory positive (got {args.gpus}, {args.gpu_memory})")
+    print(report(load_config(args.config, args.overrides), args.gpus, args.gpu_memory))
 
 
 def _prepare_data(args: argparse.Namespace) -> None:

@@ -10,8 +10,9 @@ step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op:
 - ``nan_loss@K:R``: rank R's loss at step K becomes NaN (the step decision must skip the step);
 - ``nan_grad@K:R``: rank R's gradient of the final norm's gain becomes NaN in step K's backward: one
   parameter of one group (the step decision must skip the whole step, every group);
-- ``skew_index@K:R``: rank R's first sparse layer's first two slots trade positions after the topology
-  update of step K, as a non-deterministic sort could do (the ranks must notice that they disagree);
+- ``skew_mask@K:R``: after the topology update of step K, the first byte of rank R's first sparse layer's mask
+  that holds both active and inactive positions turns by one bit (as many active weights, at other places),
+  as a non-deterministic sort could make it do (the ranks must notice that they disagree);
 - ``kill_during_save@K:R``: rank R kills itself (SIGKILL) after writing its first file of the
   step-K checkpoint, before the checkpoint is complete;
 - ``kill_before_publish@K``: rank 0 kills itself after every file of the step-K checkpoint is
@@ -79,9 +80,12 @@ def poison_gradient(model: nn.Module, step: Callable[[], int]) -> None:
         model.norm.weight.register_hook(lambda grad: grad * float("nan") if _due("nan_grad", step()) else grad)
 
 
-def skew_index(index: torch.Tensor, step: int) -> None:
-    if _due("skew_index", step):
-        index[:2] = index[:2].flip(0)  # two slots trade positions: the same support, different weights at each
+def skew_mask(packed: torch.Tensor, step: int) -> None:
+    if _due("skew_mask", step):
+        mixed = ((packed != 0) & (packed != 255)).nonzero()  # a byte with an active and an inactive position
+        if mixed.numel():
+            byte = packed[mixed[0, 0]]
+            byte.copy_(((byte.int() << 1) | (byte.int() >> 7)) & 255)  # rotate: as many positions, moved
 
 
 def after_checkpoint_file(path: str | Path) -> None:

@@ -315,12 +315,12 @@ def final_weights(checkpoint_tag: Path, tp_rank: int = 0) -> dict:
 
 
 def assert_same_model(actual: dict, expected: dict, rel: float) -> None:
-    """Index buffers (the masks) equal exactly; each weight tensor within ``rel`` (relative norm)."""
+    """Sparse masks equal exactly; each weight tensor within ``rel`` (relative norm)."""
     import torch
 
     assert actual.keys() == expected.keys()
     for name, tensor in expected.items():
-        if name.endswith(".index"):
+        if name.endswith(".mask"):
             assert torch.equal(actual[name], tensor), f"mask of {name} differs"
         else:
             error = (actual[name].float() - tensor.float()).norm() / tensor.float().norm()

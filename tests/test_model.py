@@ -149,3 +149,55 @@ def test_weight_init_schemes(layer):
         weight = proj.values if layer == "sparse" else proj.weight
         assert weight.abs().max().item() <= 1 / math.sqrt(fan_in)
         assert weight.std().item() == pytest.approx((3 * fan_in) ** -0.5, rel=0.02)
+
+
+def _build(layer: str, preset: str = "llama-tiny") -> Llama:
+    from megasparse.model.factory import layer_factory
+
+    optimizer = {"dense": "adamw", "sparse": "smet", "lowrank": "spectron"}[layer]
+    cfg = config_from_dict({"model": {"preset": preset, "layer": layer}, "optimizer": {"name": optimizer}}).validate()
+    torch.manual_seed(3)
+    return Llama(cfg.model, VOCAB, layer_factory(cfg))
+
+
+@pytest.mark.parametrize("layer", ["dense", "sparse", "lowrank"])
+def test_a_model_built_on_the_device_holds_the_host_builds_weights_cast(layer):
+    """built_on moves each parameter as it is registered; the draws stay on the host, so the weights (sparse masks,
+    low-rank SVD factors) are those of a build on the host in fp32, cast; buffers keep their precision."""
+    from megasparse.model.placement import built_on
+
+    host = _build(layer)
+    with built_on("cpu", torch.bfloat16):
+        placed = _build(layer)
+    expected, actual = host.state_dict(), placed.state_dict()
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        want = tensor.bfloat16() if tensor.is_floating_point() and name in dict(host.named_parameters()) else tensor
+        assert actual[name].dtype == want.dtype and torch.equal(actual[name], want), name
+    if layer == "sparse":
+        density = host.layers[0].self_attn.q_proj.values.sparse_density
+        assert placed.layers[0].self_attn.q_proj.values.sparse_density == density  # what the layers set on it stays
+    assert placed.lm_head.weight is placed.embed_tokens.weight or not host.lm_head.weight is host.embed_tokens.weight
+
+
+def test_building_on_the_device_holds_one_layer_on_the_host_not_the_model():
+    """The device faked by the meta device: the most the host holds while llama-20m is built is a few of its
+    tensors (counted with torch's profiler), against the whole fp32 model when it is built on the host."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    from megasparse.model.placement import built_on
+
+    def host_peak(place: bool) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+            if place:
+                with built_on("meta", torch.bfloat16):
+                    model = _build("dense", "llama-20m")
+            else:
+                model = _build("dense", "llama-20m")
+        _, sizes = MemoryProfileTimeline(p._memory_profile())._coalesce_timeline(torch.device("cpu"))
+        return max(sum(categories) for categories in sizes), num_parameters(model)
+
+    placed, parameters = host_peak(True)
+    whole, _ = host_peak(False)
+    assert whole >= 4 * parameters and placed < 4 * parameters / 8, (placed, whole, parameters)

@@ -222,7 +222,7 @@ def test_a_nonfinite_gradient_in_one_group_skips_the_whole_step(dataset, tmp_pat
 def test_ranks_that_disagree_on_a_mask_stop_naming_the_layer(dataset, tmp_path):
     """Rank 1's first sparse layer trades two slots' positions after the topology update of step 2, as a
     non-deterministic sort could: both ranks stop there with the same line naming the layer, exit 2."""
-    result = train(fault_config(dataset, tmp_path / "out", "smet"), faults="skew_index@2:1")
+    result = train(fault_config(dataset, tmp_path / "out", "smet"), faults="skew_mask@2:1")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     (line,) = set(result.error_lines())  # one line, from each rank
     assert ("step 2: after the topology update the ranks hold different sparse masks in 1 layer(s) "

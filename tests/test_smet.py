@@ -14,9 +14,10 @@ from megasparse.optim.partitions import Fragment
 from megasparse.parallel.layers import WeightInit
 from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.mask import active_positions, pack, unpack
 from megasparse.sparse.optimizer import MATURE
 from megasparse.sparse.topology import (TopologyUpdater, gradient_regrowth, prune_fraction, pruned_slots,
-                                        random_regrowth, regrowth_count)
+                                        random_regrowth, regrowth_count, slot_sources)
 from megasparse.train.optim import build_optimizer
 
 
@@ -45,7 +46,7 @@ class MaskedAdamReference:
                  form: str) -> None:
         self.w = layer.dense_weight().detach().clone().double()
         self.mask = torch.zeros_like(self.w, dtype=torch.bool)
-        self.mask.view(-1)[layer.index.long()] = True
+        self.mask.view(-1)[layer.positions()] = True
         self.m, self.v = torch.zeros_like(self.w), torch.zeros_like(self.w)
         self.t = torch.zeros_like(self.w)
         self.regrown = torch.zeros_like(self.mask)
@@ -97,15 +98,15 @@ def test_smet_step_equals_a_dense_masked_reference(mode, form, betas):
     for step in range(1, 61):
         for layer, ref in zip((model.a, model.b), refs):
             grad = torch.randn(layer.out_features, layer.in_features, generator=generator, dtype=torch.float64)
-            layer.values.grad = grad.reshape(-1)[layer.index.long()].float()
+            layer.values.grad = grad.reshape(-1)[layer.positions()].float()
             ref.step(grad)
         model.gain.grad = torch.randn(10, generator=generator)
         optimizer.step()
         if updater.due(step):
-            before = [set(layer.index.tolist()) for layer in (model.a, model.b)]
+            before = [set(layer.positions().tolist()) for layer in (model.a, model.b)]
             updater.update(step)
             for layer, ref, old in zip((model.a, model.b), refs, before):
-                ref.move(old, set(layer.index.tolist()))
+                ref.move(old, set(layer.positions().tolist()))
         for layer, ref in zip((model.a, model.b), refs):
             dense = layer.dense_weight().detach().double()
             torch.testing.assert_close(dense, ref.w, rtol=1e-6, atol=1e-6)
@@ -221,43 +222,57 @@ def test_density_scaled_rates(power):
 
 
 def test_topology_update_keeps_density_exact_and_prunes_the_smallest():
+    """Each update prunes the smallest |w|, regrows where nothing was, and every kept weight keeps its value and its
+    optimizer state (moments, cohort) at its position while the slots renumber in position order."""
     cfg = sparse_config(sparse={"density": 0.4, "update_interval": 1, "prune_fraction": 0.5})
     model = TwoLayers(0.4)
     optimizer = build_optimizer(cfg, model)
     updater = TopologyUpdater(model, cfg.sparse, 10, seed=3, optimizer=optimizer,
                               fragments=lambda p: [Fragment(p, 0, 0, p.numel())])
+
+    def by_position(layer):
+        state = optimizer.state[layer.values]
+        return {p: (layer.values[s].item(), state["exp_avg"][s].item(), state["exp_avg_sq"][s].item(),
+                    state["cohort"][s].item()) for s, p in enumerate(layer.positions().tolist())}
+
     for step in range(1, 6):
         for layer in (model.a, model.b):
             layer.values.grad = torch.randn_like(layer.values)
         optimizer.step()
-        before = {id(m): (m.values.detach().clone(), m.index.clone()) for m in (model.a, model.b)}
+        before = {id(m): by_position(m) for m in (model.a, model.b)}
         updater.update(step)
         for layer in (model.a, model.b):
-            values, index = before[id(layer)]
+            old, new = before[id(layer)], by_position(layer)
             numel = layer.in_features * layer.out_features
-            assert layer.index.unique().numel() == layer.nnz == round(0.4 * numel)
+            assert len(new) == layer.nnz == round(0.4 * numel) and layer.positions().unique().numel() == layer.nnz
             assert (layer.dense_weight() != 0).sum() <= layer.nnz
-            moved = (layer.index != index).nonzero().squeeze(1)
-            count = int(prune_fraction(cfg.sparse, step, 10) * layer.nnz)
-            assert moved.numel() == count
-            kept = torch.ones(layer.nnz, dtype=torch.bool)
-            kept[moved] = False
-            assert values[moved].abs().max() <= values[kept].abs().min()  # the smallest were pruned
-            assert not set(layer.index[moved].tolist()) & set(index.tolist())  # grown where nothing was
-            assert (layer.values[moved] == 0).all()
+            pruned, regrown = set(old) - set(new), set(new) - set(old)
+            assert len(pruned) == len(regrown) == int(prune_fraction(cfg.sparse, step, 10) * layer.nnz)
+            kept = set(old) & set(new)
+            assert max(abs(old[p][0]) for p in pruned) <= min(abs(old[p][0]) for p in kept)  # the smallest went
+            assert all(new[p] == old[p] for p in kept)  # weight, moments and cohort moved with the position
+            assert all(new[p][:3] == (0.0, 0.0, 0.0) for p in regrown)
+            assert len({new[p][3] for p in regrown}) == 1 and not {new[p][3] for p in regrown} & {0}
+
+
+def test_slot_sources_keep_the_order_and_place_the_regrown():
+    positions = torch.tensor([1, 4, 6, 9, 12])
+    source, landing = slot_sources(positions, torch.tensor([0, 3]), torch.tensor([2, 13]))
+    # new positions 2, 4, 6, 12, 13: regrown 2 and 13 at slots 0 and 4, kept 4, 6, 12 from old slots 1, 2, 4
+    assert source.tolist() == [-1, 1, 2, 4, -1] and landing.tolist() == [0, 4]
 
 
 def test_regrowth_by_gradient_takes_the_largest_inactive_gradients():
     values = torch.tensor([0.5, -0.1, 0.3, 0.05])
-    index = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    active = torch.tensor([True] * 4 + [False] * 5)
     grad = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.1, -5.0, 0.2, 3.0, -0.3])
     assert pruned_slots(values, 2).tolist() == [1, 3]
-    assert gradient_regrowth(grad, index, 2).tolist() == [5, 7]
+    assert gradient_regrowth(grad, active, 2).tolist() == [5, 7]
 
 
 def test_random_regrowth_is_seeded():
-    index = torch.arange(20, dtype=torch.int32)
-    picks = [random_regrowth(index, 100, 5, torch.Generator().manual_seed(s)).tolist() for s in (1, 1, 2)]
+    active = torch.arange(100) < 20
+    picks = [random_regrowth(active, 5, torch.Generator().manual_seed(s)).tolist() for s in (1, 1, 2)]
     assert picks[0] == picks[1] != picks[2]
     assert all(p >= 20 for p in picks[0])
 
@@ -286,11 +301,12 @@ def test_rigl_chooses_in_the_backward_from_the_summed_dense_gradient(micro_batch
     zeta = prune_fraction(cfg.sparse, 2, 10)
     for layer, dense, regrowth in zip((model.a, model.b), (dense_a, dense_b), updater.regrowth):
         assert regrowth.total is None and regrowth.seen == micro_batches
-        assert regrowth.positions.tolist() == gradient_regrowth(dense.grad, layer.index, regrowth_count(layer, zeta)).tolist()
-    chosen, index = updater.regrowth[0].positions.tolist(), model.a.index.clone()
+        active = unpack(layer.mask, dense.numel())
+        assert regrowth.positions.tolist() == gradient_regrowth(dense.grad, active, regrowth_count(layer, zeta)).tolist()
+    chosen, before = updater.regrowth[0].positions.tolist(), set(model.a.positions().tolist())
     updater.optimizer.step()
     updater.update(2)
-    assert set(model.a.index.tolist()) - set(index.tolist()) == set(chosen) and updater.regrowth == []
+    assert set(model.a.positions().tolist()) - before == set(chosen) and updater.regrowth == []
     with pytest.raises(RuntimeError, match="RigL's regrowth of a was not chosen"):
         updater.update(4)  # an update step whose backward ran outside updater.around_step
 
@@ -328,8 +344,18 @@ def test_sparse_layer_matches_its_dense_weight():
     dense = layer.dense_weight().detach().clone().requires_grad_()
     (layer(x) ** 2).sum().backward()
     (torch.nn.functional.linear(x, dense) ** 2).sum().backward()
-    torch.testing.assert_close(layer.values.grad, dense.grad.reshape(-1)[layer.index.long()])
-    assert layer.index.dtype == torch.int32 and layer.nnz == 12
+    torch.testing.assert_close(layer.values.grad, dense.grad.reshape(-1)[layer.positions()])
+    assert layer.mask.dtype == torch.uint8 and layer.mask.numel() == 4 and not layer.mask.requires_grad
+    assert layer.nnz == 12 == int(unpack(layer.mask, 30).sum()) and (layer.positions().diff() > 0).all()
+
+
+def test_the_mask_packs_as_numpy_does():
+    import numpy as np
+    bits = torch.rand(1003, generator=torch.Generator().manual_seed(0)) < 0.3
+    packed = pack(bits)
+    assert packed.tolist() == np.packbits(bits.numpy()).tolist()
+    assert torch.equal(unpack(packed, 1003), bits)
+    assert active_positions(packed, 1003, int(bits.sum())).tolist() == bits.nonzero().squeeze(1).tolist()
 
 
 @pytest.mark.parametrize("raw,message", [

@@ -19,7 +19,7 @@ FLOORS = [
     ["megasparse.model"],
     ["megasparse.checkpoint"],
     ["megasparse.train"],
-    ["megasparse.convert", "megasparse.launch", "megasparse.plot"],
+    ["megasparse.convert", "megasparse.launch", "megasparse.plot", "megasparse.plan"],
     ["megasparse.cli"],
     ["megasparse.__main__"],
 ]

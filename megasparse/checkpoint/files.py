@@ -62,6 +62,7 @@ class CheckpointMeta:
     data_parallel_size: int
     tensor_parallel_size: int = 1
     format: str = "deepspeed"  # or "universal" (megasparse convert reshard)
+    sparse_storage: str = "index"  # sparse layers' positions: "bitmask", or "index" (before; see legacy.py)
 
     @classmethod
     def read(cls, tag_dir: Path) -> "CheckpointMeta":

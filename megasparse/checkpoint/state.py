@@ -40,12 +40,14 @@ from torch import nn
 
 from megasparse.checkpoint.durable import write_manifest
 from megasparse.checkpoint.files import (META_FILE, OPTIMIZER_FILE, TOKENIZER_FILE, UNIVERSAL, VALUES_FILE,
-                                         WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, optimizer_file,
-                                         reference_model, split_dimensions)
+                                         WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, model_file,
+                                         optimizer_file, reference_model, split_dimensions)
+from megasparse.checkpoint.legacy import BITMASK, index_name, upgrade_indices
 from megasparse.errors import UserError
 from megasparse.optim.groups import parameter_groups
 from megasparse.optim.partitions import full_shape, optimizer_fragments
 from megasparse.parallel.mappings import TensorParallel
+from megasparse.sparse.layer import SparseLinear
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -84,6 +86,7 @@ def read_training_state(checkpoint: Checkpoint) -> TrainingState:
                         and value.dim() > 0 else value for key, value in entry.items()}
                  for name, entry in ranks[0][1].items()}
     _share_group_values(optimizer, model, cfg)
+    _upgrade(meta, weights, optimizer, model)
     states = ranks[0][2]
     missing = [key for key in ("lr_scheduler", "megasparse", *_COUNTERS) if key not in states]
     if missing:
@@ -107,10 +110,17 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
                 raise UserError(f"'{path}' does not hold the model of its megasparse.json (it has a parameter "
                                 f"'{name}' the model has not)")
             weights[name] = entry.pop("fp32").view(params[name].shape)  # fp32 masters over bf16 module weights
+    if checkpoint.zero_stage == 3:  # the parameters that do not train (sparse masks): from every rank's piece
+        weights |= _zero3_frozen(checkpoint, t, states.get("frozen_param_shapes") or {})
     module = model.state_dict(keep_vars=True)
     names = {id(tensor): name for name, tensor in reversed(module.items())}  # a tied weight: its first name
+    shapes = {name: tensor.shape for name, tensor in module.items()}
+    for name in [name for name in module if index_name(name) in weights]:  # positions, written before masks
+        old = index_name(name)
+        del shapes[name], module[name]
+        shapes[old], module[old], names[id(weights[old])] = weights[old].shape, weights[old], old
     weights = {name: weights.get(names[id(tensor)]) for name, tensor in module.items()}
-    wrong = next((name for name, w in weights.items() if w is None or w.shape != module[name].shape), None)
+    wrong = next((name for name, w in weights.items() if w is None or w.shape != shapes[name]), None)
     if wrong is not None:
         raise UserError(f"'{path}' does not hold the model of its megasparse.json (parameter '{wrong}' "
                         "missing or of another shape)")
@@ -119,6 +129,24 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
             if elementwise(value, params[name]):
                 entry[key] = value.view(params[name].shape)
     return {name: w.float() if w.is_floating_point() else w for name, w in weights.items()}, optimizer, states
+
+
+def _zero3_frozen(checkpoint: Checkpoint, t: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """ZeRO-3's parameters that do not train, whole: each data-parallel rank's module file holds its piece
+    (``frozen_param_fragments``), cut as ZeRO-3 cuts every parameter."""
+    pieces = [load_file(checkpoint.tag_dir / model_file(t, d)).get("frozen_param_fragments") or {}
+              for d in range(checkpoint.meta.data_parallel_size)]
+    return {name: torch.cat([p[name].reshape(-1) for p in pieces])[:torch.Size(shape).numel()].view(shape)
+            for name, shape in shapes.items()}
+
+
+def _upgrade(meta: CheckpointMeta, weights: dict[str, torch.Tensor], optimizer: dict[str, dict[str, Any]],
+             model: nn.Module) -> None:
+    """A state whose sparse layers stored positions as today's (legacy.py); ``meta`` says so afterwards."""
+    numels = {prefix: m.in_features * m.out_features for prefix, m in model.named_modules()
+              if isinstance(m, SparseLinear)}
+    upgrade_indices(weights, optimizer, numels)
+    meta.sparse_storage = BITMASK
 
 
 def _zero0_optimizer_state(saved: dict | None, checkpoint: Checkpoint, model: nn.Module,
@@ -309,4 +337,6 @@ def _read_universal(checkpoint: Checkpoint) -> TrainingState:
     for key, tensor in tensors.items():
         name, _, state_key = key.rpartition("/")
         optimizer.setdefault(name, {})[state_key] = tensor
-    return TrainingState(checkpoint.meta, weights, optimizer, values["scheduler"], values["client"], values["counters"])
+    meta = checkpoint.meta
+    _upgrade(meta, weights, optimizer, reference_model(checkpoint.config, meta.vocab_size))
+    return TrainingState(meta, weights, optimizer, values["scheduler"], values["client"], values["counters"])

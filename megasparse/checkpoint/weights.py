@@ -25,7 +25,6 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 import yaml
 from safetensors import SafetensorError, safe_open
@@ -39,11 +38,12 @@ from megasparse.config import Config, config_from_dict
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
+from megasparse.model.placement import DTYPES
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.mask import pack, unpack
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.yaml"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse: str = "masked",
@@ -53,14 +53,13 @@ def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse:
     out = dict(weights)
     for prefix, module in model.named_modules():
         if isinstance(module, SparseLinear):
-            values, index = out.pop(f"{prefix}.values"), out.pop(f"{prefix}.index").long()
-            shape = (module.out_features, module.in_features)
-            dense = values.new_zeros(shape).view(-1).index_put((index,), values).view(shape)
-            mask = torch.zeros(shape, dtype=torch.bool).view(-1).index_fill(0, index, True).view(shape)
-            if sparse == "compact":
-                out[f"{prefix}.values"] = dense[mask]
-                out[f"{prefix}.bitmask"] = torch.from_numpy(np.packbits(mask.numpy().reshape(-1)))
+            values, packed = out.pop(f"{prefix}.values"), out.pop(f"{prefix}.mask")
+            if sparse == "compact":  # the training form itself
+                out[f"{prefix}.values"], out[f"{prefix}.bitmask"] = values, packed
             else:
+                shape = (module.out_features, module.in_features)
+                mask = unpack(packed, module.out_features * module.in_features).view(shape)
+                dense = values.new_zeros(shape).masked_scatter_(mask, values)
                 out[f"{prefix}.weight"] = dense
                 if sparse == "masked":
                     out[f"{prefix}.mask"] = mask
@@ -74,14 +73,13 @@ def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse:
 
 def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:
     """The inverse of :func:`portable_tensors` for ``model``: state-dict names and shapes (whole, before any
-    tensor-parallel split), sparse layers as values and ascending positions."""
+    tensor-parallel split), sparse layers as values in position order and a packed mask."""
     out = dict(tensors)
     for prefix, module in model.named_modules():
         if isinstance(module, SparseLinear):
             numel = module.in_features * module.out_features
             if f"{prefix}.bitmask" in out:
-                bits = out.pop(f"{prefix}.bitmask").numpy()
-                mask = torch.from_numpy(np.unpackbits(bits, count=numel).astype(bool))
+                mask = unpack(out.pop(f"{prefix}.bitmask"), numel)
                 values = out.pop(f"{prefix}.values")
             elif f"{prefix}.mask" in out:
                 mask = out.pop(f"{prefix}.mask").reshape(-1)
@@ -89,10 +87,13 @@ def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source:
             else:
                 raise UserError(f"{source} has no mask for the sparse layer '{prefix}' (write it with "
                                 "--sparse masked or compact)")
+            if int(mask.sum()) != values.numel():
+                raise UserError(f"{source}: '{prefix}' has {values.numel()} active weights and {int(mask.sum())} "
+                                "positions set in its mask")
             if values.numel() != module.nnz:
                 raise UserError(f"{source}: '{prefix}' has {values.numel()} active weights, this model's density "
                                 f"gives it {module.nnz}")
-            out[f"{prefix}.values"], out[f"{prefix}.index"] = values, mask.nonzero().squeeze(1).to(torch.int32)
+            out[f"{prefix}.values"], out[f"{prefix}.mask"] = values, pack(mask)
         elif isinstance(module, LowRankLinear) and f"{prefix}.A" not in out:
             raise UserError(f"{source} has no factors for the low-rank layer '{prefix}' (write it with --lowrank factors)")
     if model.lm_head.weight is model.embed_tokens.weight:

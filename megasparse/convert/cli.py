@@ -96,7 +96,7 @@ def _inspect(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
-    from megasparse.checkpoint.weights import DTYPES
+    from megasparse.model.placement import DTYPES
     from megasparse.convert.generate import generate, load_causal_lm
 
     try:
@@ -130,8 +130,9 @@ def _whole_state(args: argparse.Namespace):
 
 def _consolidate(args: argparse.Namespace) -> None:
     from megasparse.checkpoint.files import reference_model
-    from megasparse.checkpoint.weights import (DTYPES, MODEL_FILE, cast, new_directory, portable_tensors,
+    from megasparse.checkpoint.weights import (MODEL_FILE, cast, new_directory, portable_tensors,
                                                write_model_directory)
+    from megasparse.model.placement import DTYPES
 
     checkpoint, state, tokenizer = _whole_state(args)
     model = reference_model(checkpoint.config, state.meta.vocab_size)
@@ -159,7 +160,8 @@ def _reshard(args: argparse.Namespace) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    from megasparse.checkpoint.weights import DTYPES, new_directory
+    from megasparse.checkpoint.weights import new_directory
+    from megasparse.model.placement import DTYPES
     from megasparse.convert.hf import write_hf_folder
 
     checkpoint, state, tokenizer = _whole_state(args)

@@ -25,6 +25,7 @@ from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear, balanced_factors
 from megasparse.model.factory import low_ranks
 from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.mask import pack
 
 HF_WEIGHTS = "model.safetensors"
 FACTORED_MODULE = "modeling_factored_llama"  # the factored model's code, in an exported folder
@@ -160,8 +161,9 @@ def convert_projections(weights: dict[str, torch.Tensor], cfg: Config, vocab_siz
         if isinstance(module, (SparseLinear, LowRankLinear)):
             dense = _take(out, f"{prefix}.weight", (module.out_features, module.in_features))
             if isinstance(module, SparseLinear):
-                index = dense.reshape(-1).abs().topk(module.nnz, sorted=False).indices.sort().values
-                out[f"{prefix}.values"], out[f"{prefix}.index"] = dense.reshape(-1)[index], index.to(torch.int32)
+                keep = dense.reshape(-1).abs().topk(module.nnz, sorted=False).indices.sort().values
+                out[f"{prefix}.values"] = dense.reshape(-1)[keep]
+                out[f"{prefix}.mask"] = pack(torch.zeros(dense.numel(), dtype=torch.bool).index_fill_(0, keep, True))
             else:
                 out[f"{prefix}.A"], out[f"{prefix}.B"] = balanced_factors(dense, module.rank)
     if cfg.model.tie_embeddings:
@@ -185,8 +187,6 @@ def _check_shapes(weights: dict[str, torch.Tensor], expected: dict[str, tuple[in
     for name, shape in expected.items():
         if name not in weights:
             raise UserError(f"the Hugging Face weights have no '{hf_name(name)}'")
-        if name.endswith(".index"):
-            continue
         if tuple(weights[name].shape) != shape:
             raise UserError(f"the Hugging Face weight '{hf_name(name)}' has shape {tuple(weights[name].shape)}, "
                             f"its config implies {shape}")

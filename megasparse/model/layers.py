@@ -74,13 +74,13 @@ class DenseLayers:
 
 
 def _uninitialised(cls: type[nn.Linear], in_features: int, out_features: int) -> nn.Linear:
-    """A bias-free linear layer whose weight is allocated but not initialised (on the current default device)."""
-    return torch.nn.utils.skip_init(cls, in_features, out_features, bias=False, device=torch.get_default_device())
+    """A bias-free linear layer whose weight is not made yet (on the meta device: no memory, no draws)."""
+    return cls(in_features, out_features, bias=False, device="meta")
 
 
 def _initialised(layer: nn.Linear, init: WeightInit) -> nn.Linear:
-    with torch.no_grad():
-        layer.weight.copy_(init.linear(layer.out_features, layer.in_features))
+    """``layer`` with its weight drawn by ``init`` (a new parameter, registered as the other layers' are)."""
+    layer.weight = nn.Parameter(init.linear(layer.out_features, layer.in_features))
     return layer
 
 

@@ -148,5 +148,5 @@ class Llama(nn.Module):
 
 
 def num_parameters(model: nn.Module) -> int:
-    """Parameters counted once each (tied weights once)."""
-    return sum(p.numel() for p in model.parameters())
+    """Trained parameters counted once each (tied weights once; not SMET's masks)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

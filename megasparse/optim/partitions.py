@@ -48,7 +48,10 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 
 def optimizer_fragments(engine, client_optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> list[Fragment]:
-    """The fragments of ``param`` held by ``client_optimizer`` on this rank (possibly none)."""
+    """The fragments of ``param`` held by ``client_optimizer`` on this rank (possibly none; none at all for a
+    parameter that does not train)."""
+    if not param.requires_grad:
+        return []
     if hasattr(param, "ds_tensor"):  # ZeRO-3
         sub_group, offset = _zero3_offsets(engine.optimizer)[id(param)]
         size = param.ds_tensor.ds_numel

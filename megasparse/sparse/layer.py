@@ -1,21 +1,26 @@
 """``SparseLinear``: a projection whose only trainable parameter is its active weights.
 
-The layer stores nnz = round(d * out * in) weights as a compact vector ``values`` and, for
-each slot, the flat position of its weight in the out x in matrix (``index``, int32). The
-forward pass scatters the values into a dense matrix, W[index[s]] = values[s] (zero
-elsewhere), and computes y = x W^T; the backward pass scatters W again, computes dL/dx = g W
-and dL/dW = g^T x, and returns dL/dvalues[s] = dL/dW[index[s]]. Only x is saved between the
-passes, so one layer's dense W and dL/dW exist at a time, inside its own forward or backward,
-like a temporary activation. At RigL's update steps the backward also hands dL/dW to
-``dense_grad_hook`` (:class:`megasparse.sparse.topology.GradientRegrowth`), which keeps what the
-regrowth decision needs of it. Everything that persists — parameter, DeepSpeed's flat buffers and
-ZeRO partitions, gradients, optimizer state, reduced gradient bytes — is proportional to nnz.
-A topology update re-points slots in place (``index[s] = new position``, ``values[s] = 0``), so
-no tensor ever changes shape.
+The layer stores nnz = round(d * out * in) weights as a compact vector ``values`` and which
+positions of the out x in matrix are active as a bitmask (``mask``, :mod:`megasparse.sparse.mask`:
+one bit per position, ceil(out in / 8) bytes whatever d). Slot s holds the weight at the s-th
+active position in row-major order. The forward pass lists the active positions p_s on the device
+(their count is known, so no host synchronisation), scatters W[p_s] = values[s] (zero elsewhere)
+and computes y = x W^T; the backward pass scatters W again, computes dL/dx = g W and
+dL/dW = g^T x, and returns dL/dvalues[s] = dL/dW[p_s]. Only x is saved between the passes, so one
+layer's dense W and dL/dW exist at a time, inside its own forward or backward, like a temporary
+activation. At RigL's update steps the backward also hands dL/dW to ``dense_grad_hook``
+(:class:`megasparse.sparse.topology.GradientRegrowth`), which keeps what the regrowth decision needs
+of it. Everything that persists is proportional to nnz (the values, DeepSpeed's flat buffers and
+ZeRO partitions, gradients, optimizer state, reduced gradient bytes), except the mask's 1/8 byte per
+position. The mask is a parameter that does not train (``requires_grad=False``, uint8), so ZeRO-3
+partitions it with the values and gathers it with them for the forward and backward passes; below
+ZeRO-3 every rank holds it whole, as it holds the module's values. A topology update changes which
+bits are set and moves every slot's weight and optimizer state to its new place in the order
+(:mod:`megasparse.sparse.topology`), so no tensor ever changes shape.
 
 Under tensor parallelism (``parallel="column"`` splits W by rows, ``"row"`` by columns, with
 megatron-core's semantics for the activations) each of the T ranks stores the contiguous 1/T of
-the slots, values[t nnz/T : (t + 1) nnz/T], and every rank keeps the whole index. A topology
+the slots, values[t nnz/T : (t + 1) nnz/T], and every rank keeps the whole mask. A topology
 update is a decision about the whole layer, so a slot may point into any rank's shard of W,
 and the number of active weights in a shard changes from update to update while every rank's
 storage stays nnz/T. The forward and backward passes therefore gather the values over the
@@ -35,6 +40,7 @@ from torch import nn
 
 from megasparse.parallel.layers import WeightInit, sharded_parameter
 from megasparse.parallel.mappings import TensorParallel, all_reduce, copy_to_region, gather_along, reduce_from_region
+from megasparse.sparse.mask import active_positions, pack
 
 
 class _SparseLinearFunction(torch.autograd.Function):
@@ -70,18 +76,14 @@ class SparseLinear(nn.Module):
         self.in_features, self.out_features, self.density = in_features, out_features, density
         self.tp, self.parallel = tp, parallel if tp.size > 1 else None
         numel = in_features * out_features
-        nnz = max(1, round(density * numel))
-        positions = torch.randperm(numel)[:nnz].sort().values
-        self.register_buffer("index", positions.to(torch.int32))
-        self.values = sharded_parameter(init.values(nnz, in_features), tp, dim=0 if self.parallel else None)
+        self.nnz = max(1, round(density * numel))  # active weights of the whole layer
+        active = torch.zeros(numel, dtype=torch.bool)
+        active[torch.randperm(numel)[:self.nnz]] = True
+        self.mask = nn.Parameter(pack(active), requires_grad=False)
+        self.values = sharded_parameter(init.values(self.nnz, in_features), tp, dim=0 if self.parallel else None)
         self.values.sparse_density = density  # its optimizer group (megasparse.optim.groups)
         # called in backward with dL/dW of this rank's part of W, which it may change (RigL's update steps)
         self.dense_grad_hook: Callable[[torch.Tensor], None] | None = None
-
-    @property
-    def nnz(self) -> int:
-        """Active weights of the whole layer (the index is a buffer, whole on every rank)."""
-        return self.index.numel()
 
     @property
     def shard_shape(self) -> tuple[int, int]:
@@ -116,15 +118,18 @@ class SparseLinear(nn.Module):
             return part
         return gather_along(part, 0 if self.parallel == "column" else 1, self.tp)
 
+    def positions(self) -> torch.Tensor:
+        """The flat positions in W of the layer's slots, ascending (int64). No host synchronisation."""
+        return active_positions(self.mask, self.in_features * self.out_features, self.nnz)
+
     def shard_positions(self) -> torch.Tensor:
         """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a
-        spare element past its end) for a slot in another rank's shard; int32 like the index (no int64 copy
-        of it per call; a layer's W has fewer than 2^31 elements). No host synchronisation."""
-        index = self.index
+        spare element past its end) for a slot in another rank's shard. No host synchronisation."""
+        positions = self.positions()
         if not self.parallel:
-            return index
+            return positions
         rows, cols = self.shard_shape
-        row, col = index // self.in_features, index % self.in_features
+        row, col = positions // self.in_features, positions % self.in_features
         if self.parallel == "column":
             row = row - self.tp.rank * rows
         else:

@@ -188,6 +188,17 @@ class SMETAdam(torch.optim.Optimizer):
             state["birth"][cohort] = now
         return cohort
 
+    @property
+    def slot_keys(self) -> tuple[str, ...]:
+        """The per-slot optimizer state of a sparse tensor, besides its weights (see :meth:`slot_state`)."""
+        return ("exp_avg", "exp_avg_sq") + (("cohort",) if self.per_slot_steps else ())
+
+    def slot_state(self, owner: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-slot tensors of ``owner`` (one of this optimizer's sparse tensors): ``owner`` itself as "weight",
+        and its state under :attr:`slot_keys`."""
+        state = self._loaded(self.state[owner])
+        return {"weight": owner, **{key: state[key] for key in self.slot_keys}}
+
     @torch.no_grad()
     def regrow(self, owner: torch.Tensor, positions: torch.Tensor, cohort: int) -> None:
         """Slots at ``positions`` of ``owner`` (one of this optimizer's tensors) restart: weight 0,

@@ -10,25 +10,32 @@ At update step t (t = Delta T, 2 Delta T, ... before ``stop_step``) with prune f
 2. regrows k positions among those inactive before this update (so a position pruned now is
    not regrown now): uniformly at random (SET, Mocanu et al. 2018) or of largest |dL/dW|
    (RigL, Evci et al. 2020; ties: lower position first);
-3. points the pruned slots, in ascending order, at the regrown positions, in ascending order,
-   with weight 0, and tells the optimizer to restart their state.
+3. clears the pruned positions' bits in the mask and sets the regrown ones'. The slots are the active
+   positions in ascending order (:mod:`megasparse.sparse.layer`), so every kept weight, with its fp32
+   master, moments and cohort id, moves to its place in the new order (:func:`slot_sources`), and the
+   regrown slots start at weight 0 with their optimizer state restarted.
 
 RigL's step 2 needs dL/dW of the whole dense matrix, which the compact layer never stores: it is taken
 inside the step's backward pass, layer by layer, as soon as a layer's gradient is complete
 (:class:`GradientRegrowth`), so that the layers' dense gradients do not all wait for the update.
 
-The decision is a function of the whole layer (its values, index and, for RigL, the dense
+The decision is a function of the whole layer (its values, mask and, for RigL, the dense
 gradient summed over data-parallel ranks; all gathered over the tensor-parallel group when the
 layer is split) and of a generator seeded by (seed, t, layer),
 all identical on every rank, so it comes out the same whatever the number of processes, the
-tensor-parallel degree, the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values are
-gathered for the decision and the pruned slots zeroed in the gathered copy, which DeepSpeed
-partitions again.
+tensor-parallel degree, the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values and
+the mask are gathered for the decision and changed in the gathered copy, which DeepSpeed partitions
+again.
 
-Every rank holds every layer's whole index, and DeepSpeed broadcasts parameters at start, not
-buffers: the indices agree only because every rank takes the same decision. On CUDA, kernels that are
+The optimizer state of a layer's slots is spread over the ranks (ZeRO-1/2/3 partitions, tensor-parallel
+slices), and a slot's new place may be on another rank: each state tensor of the layer (fp32 master,
+first and second moments, cohort ids; one at a time, so at most nnz fp32 numbers more than a step holds)
+is assembled whole by one all-reduce to which exactly one rank contributes each slot, and every rank takes
+its part of it in the new order.
+
+The masks agree across ranks only because every rank takes the same decision. On CUDA, kernels that are
 not deterministic can make nearly equal magnitudes sort differently on different ranks, so after each
-update the ranks compare a checksum of every layer's index (one all-reduce of the checksums and their
+update the ranks compare a checksum of every layer's mask (one all-reduce of the checksums and their
 negatives, max: the largest and smallest of each) and, where they differ, stop with one line naming
 the layers instead of training on different masks.
 """
@@ -45,9 +52,10 @@ from torch import nn
 
 from megasparse.config import SparseConfig
 from megasparse.errors import UserError
-from megasparse.faults import skew_index
+from megasparse.faults import skew_mask
 from megasparse.optim.partitions import Fragment
 from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.mask import mask_checksum, pack, unpack
 from megasparse.sparse.optimizer import SMETAdam
 
 
@@ -67,27 +75,35 @@ def pruned_slots(values: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort(values.detach().abs().float(), stable=True)[:count].sort().values
 
 
-def inactive_positions(index: torch.Tensor, numel: int) -> torch.Tensor:
-    """The flat positions of W that no slot of ``index`` points at, ascending."""
-    occupied = torch.zeros(numel, dtype=torch.bool, device=index.device)
-    occupied[index.long()] = True
-    return (~occupied).nonzero().squeeze(1)
-
-
-def random_regrowth(index: torch.Tensor, numel: int, count: int, generator: torch.Generator) -> torch.Tensor:
-    """SET: ``count`` inactive positions drawn uniformly by ``generator``, ascending."""
-    free = inactive_positions(index, numel)
+def random_regrowth(active: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """SET: ``count`` of the positions inactive in the flat boolean mask ``active``, drawn uniformly by
+    ``generator``, ascending."""
+    free = (~active).nonzero().squeeze(1)
     return free[torch.randperm(free.numel(), generator=generator, device=free.device)[:count]].sort().values
 
 
-def gradient_regrowth(dense_grad: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """RigL: the ``count`` inactive positions of largest |dL/dW| (ties: lower position first), ascending. The active
-    positions score -1, below every inactive one, so no list of the inactive ones is made: no result whose size
-    only the device knows (which would make the host wait inside the backward pass). ``count`` must not exceed
-    the inactive positions."""
-    scores = dense_grad.reshape(-1).abs()
-    scores[index] = -1.0
+def gradient_regrowth(dense_grad: torch.Tensor, active: torch.Tensor, count: int) -> torch.Tensor:
+    """RigL: the ``count`` positions inactive in ``active`` of largest |dL/dW| (ties: lower position first),
+    ascending. The active positions score -1, below every inactive one, so no list of the inactive ones is made:
+    no result whose size only the device knows (which would make the host wait inside the backward pass).
+    ``count`` must not exceed the inactive positions."""
+    scores = dense_grad.reshape(-1).abs().masked_fill_(active, -1.0)
     return torch.argsort(scores, descending=True, stable=True)[:count].sort().values
+
+
+def slot_sources(positions: torch.Tensor, pruned: torch.Tensor, regrown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each slot of the new order comes from, after the slots ``pruned`` (ascending) leave the ascending
+    ``positions`` and the ascending positions ``regrown`` join them: per new slot its old slot (-1 for a regrown
+    one), and the new slots of the regrown positions. The kept slots stay in order, and regrown position r lands
+    after the kept positions below it: new slot j + #(kept < r) for the j-th regrown."""
+    kept = torch.ones(positions.numel(), dtype=torch.bool, device=positions.device)
+    kept[pruned] = False
+    landing = torch.searchsorted(positions[kept], regrown) + torch.arange(regrown.numel(), device=regrown.device)
+    source = torch.full_like(positions, -1)
+    arrived = torch.zeros_like(kept)
+    arrived[landing] = True
+    source[~arrived] = kept.nonzero().squeeze(1)
+    return source, landing
 
 
 class GradientRegrowth:
@@ -121,17 +137,20 @@ class GradientRegrowth:
         total, self.total = self.total, None
         if dist.is_initialized():  # the sum over data-parallel ranks
             dist.all_reduce(total, group=self.dp_group)
-        self.positions = gradient_regrowth(self.layer.whole_matrix(total), self.layer.index, self.count)
+        layer = self.layer
+        active = unpack(layer.mask, layer.in_features * layer.out_features)
+        self.positions = gradient_regrowth(layer.whole_matrix(total), active, self.count)
 
 
 class TopologyUpdater:
     """Prunes and regrows ``model``'s sparse layers (see the module docstring); ``dp_group``: the data-parallel
-    group over which RigL sums the dense gradients (None: every rank, right only without tensor parallelism)."""
+    group over which RigL sums the dense gradients (None: every rank, right only without tensor parallelism);
+    ``partitioned``: whether ZeRO (stage 1 to 3) divides the optimizer's tensors over the data-parallel ranks."""
 
     def __init__(self, model: nn.Module, cfg: SparseConfig, total_steps: int, seed: int, optimizer: SMETAdam,
-                 fragments: Callable[[nn.Parameter], list[Fragment]], dp_group=None) -> None:
+                 fragments: Callable[[nn.Parameter], list[Fragment]], dp_group=None, partitioned: bool = False) -> None:
         self.cfg, self.total_steps, self.seed = cfg, total_steps, seed
-        self.optimizer, self.fragments, self.dp_group = optimizer, fragments, dp_group
+        self.optimizer, self.fragments, self.dp_group, self.partitioned = optimizer, fragments, dp_group, partitioned
         self.names, self.layers = zip(*((name, m) for name, m in model.named_modules() if isinstance(m, SparseLinear)))
         self.regrowth: list[GradientRegrowth] = []  # RigL's choices for the coming update, one per layer
 
@@ -169,42 +188,72 @@ class TopologyUpdater:
         """Prune and regrow every sparse layer after optimizer step ``step``; returns a summary."""
         zeta = prune_fraction(self.cfg, step, self.total_steps)
         cohort = self.optimizer.open_cohort()
-        moved = 0
+        moved, sums = 0, []
         for number, layer in enumerate(self.layers):
             count = regrowth_count(layer, zeta)
-            positions = self._regrown_positions(number, step, count)
-            with deepspeed.zero.GatheredParameters([layer.values], modifier_rank=0):  # a no-op below ZeRO-3
-                slots = pruned_slots(layer.whole(layer.values), count)
-                layer.index[slots] = positions.to(torch.int32)
-                local = layer.local_slots(slots)  # those this tensor-parallel rank stores
-                layer.values[local] = 0
-            for fragment in self.fragments(layer.values):
-                self.optimizer.regrow(fragment.owner, fragment.positions(local), cohort)
+            with deepspeed.zero.GatheredParameters([layer.values, layer.mask], modifier_rank=0):  # no-op below ZeRO-3
+                values = layer.whole(layer.values)
+                positions = layer.positions()
+                active = unpack(layer.mask, layer.in_features * layer.out_features)
+                pruned = pruned_slots(values, count)
+                regrown = self._regrown_positions(number, step, count, active)
+                source, landing = slot_sources(positions, pruned, regrown)
+                active[positions[pruned]] = False
+                active[regrown] = True
+                layer.mask.copy_(pack(active))
+                mine = slice(layer.first_slot, layer.first_slot + layer.stored_slots)
+                layer.values.copy_(torch.where(source[mine] >= 0, values[source[mine].clamp(min=0)], 0))
+                if number == 0:
+                    skew_mask(layer.mask, step)
+                sums.append(mask_checksum(layer.mask))
+            self._move_optimizer_state(layer, source, layer.local_slots(landing), cohort)
             moved += count
         self.regrowth = []
-        skew_index(self.layers[0].index, step)
-        self._check_ranks_agree(step)
+        self._check_ranks_agree(step, torch.stack(sums))
         return {"zeta": zeta, "regrown": moved}
 
-    def _regrown_positions(self, number: int, step: int, count: int) -> torch.Tensor:
+    def _move_optimizer_state(self, layer: SparseLinear, source: torch.Tensor, regrown: torch.Tensor,
+                              cohort: int) -> None:
+        """Give each of ``layer``'s slots on this rank the optimizer state of its old slot ``source[slot]`` (whole
+        layer order), wherever that was held, then restart the ``regrown`` slots (this rank's, local order) in
+        ``cohort``. One all-reduce per state tensor, of the whole layer's nnz numbers, over every rank when ZeRO
+        partitions the state (each slot on exactly one rank), else over the tensor-parallel group."""
+        fragments = self.fragments(layer.values)
+        group = None if self.partitioned else layer.tp.group
+        communicate = dist.is_initialized() and (self.partitioned or layer.parallel is not None)
+        keys = ("weight",) * self.partitioned + self.optimizer.slot_keys  # ZeRO-0's weights are the module's values
+        for key in keys:
+            whole = torch.zeros(layer.nnz, dtype=torch.float32, device=layer.values.device)
+            held = [(self.optimizer.slot_state(f.owner)[key].view(-1), f) for f in fragments]
+            for tensor, f in held:
+                first = layer.first_slot + f.start
+                whole[first:first + f.numel] = tensor[f.offset:f.offset + f.numel]
+            if communicate:
+                dist.all_reduce(whole, group=group)
+            for tensor, f in held:
+                first = layer.first_slot + f.start
+                tensor[f.offset:f.offset + f.numel] = whole[source[first:first + f.numel].clamp(min=0)]
+        for f in fragments:
+            self.optimizer.regrow(f.owner, f.positions(regrown), cohort)
+
+    def _regrown_positions(self, number: int, step: int, count: int, active: torch.Tensor) -> torch.Tensor:
         """Where layer ``number``'s pruned slots move: RigL's choice from the step's backward, or SET's draw from a
-        generator seeded by (seed, step, layer)."""
-        layer = self.layers[number]
+        generator seeded by (seed, step, layer) among the positions inactive in ``active``."""
         if self.cfg.regrow == "gradient":
             chosen = self.regrowth[number].positions if self.regrowth else None
             if chosen is None:
                 raise RuntimeError(f"step {step}: RigL's regrowth of {self.names[number]} was not chosen: the step did "
                                    "not run inside TopologyUpdater.around_step, or its backward missed micro-batches")
             return chosen
-        generator = torch.Generator(device=layer.index.device)
+        generator = torch.Generator(device=active.device)
         generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
-        return random_regrowth(layer.index, layer.in_features * layer.out_features, count, generator)
+        return random_regrowth(active, count, generator)
 
-    def _check_ranks_agree(self, step: int) -> None:
-        """Stop on every rank, naming the layers, when the ranks' indices differ after the update at ``step``."""
+    def _check_ranks_agree(self, step: int, sums: torch.Tensor) -> None:
+        """Stop on every rank, naming the layers, when the ranks' masks (their checksums ``sums``) differ after the
+        update at ``step``."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        sums = torch.stack([index_checksum(layer.index) for layer in self.layers])
         extremes = torch.cat([sums, -sums])
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         highest, lowest = extremes[:len(sums)], -extremes[len(sums):]
@@ -215,9 +264,3 @@ class TopologyUpdater:
                             "the ranks computed different decisions, as kernels that are not deterministic can: "
                             "resume from the last checkpoint with training.deterministic: true")
 
-
-def index_checksum(index: torch.Tensor) -> torch.Tensor:
-    """sum_i index[i] * (i mod 1000003 + 1) in int64 (wrapping): changes when any position, or the order of
-    positions, changes."""
-    weights = torch.arange(index.numel(), device=index.device, dtype=torch.int64).remainder_(1_000_003).add_(1)
-    return (index.long() * weights).sum()

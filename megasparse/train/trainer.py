@@ -21,11 +21,12 @@ from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 
 from megasparse.checkpoint.compat import check_compatible, same_layout
+from megasparse.checkpoint.legacy import BITMASK
 from megasparse.checkpoint.durable import (RecordingCheckpointEngine, keep_recovery_script_errors, remove_partials,
                                            verify_on_all_ranks)
 from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, tag_for
 from megasparse.checkpoint.weights import init_from_directory
-from megasparse.config import Config, config_from_dict
+from megasparse.config import PROJECTIONS, Config, config_from_dict
 from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.prepare import prepare_data
@@ -40,6 +41,7 @@ from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
 from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
+from megasparse.model.placement import DTYPES, built_on
 from megasparse.optim.partitions import optimizer_fragments
 from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
@@ -51,6 +53,7 @@ from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_sta
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.determinism import make_deterministic
 from megasparse.train.guard import StepDecision
+from megasparse.train.memory import held_bytes
 from megasparse.train.metrics import MetricsLogger, WandbRun
 from megasparse.train.optim import build_optimizer
 from megasparse.train.preemption import StopRequests, clear_marker, write_marker
@@ -170,7 +173,9 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         factorise = SharedFactorisation()
-        model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp, factorise))
+        # onto the device in the training precision as it is built: the host never holds the whole fp32 model
+        with built_on(get_accelerator().current_device_name(), DTYPES[t.precision]):
+            model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp, factorise))
         factorise.share(model)
         if cfg.checkpoint.init_from and not self.resume_from:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
@@ -202,15 +207,17 @@ class Trainer:
         self.engine.checkpoint_engine = RecordingCheckpointEngine(self.engine.checkpoint_engine)
         keep_recovery_script_errors(self.engine, self.engine.checkpoint_engine)
         self.skipped_steps = self.consecutive_skips = 0
+        self.memory_logged = False
 
         def fragments(param: torch.nn.Parameter):
             return optimizer_fragments(self.engine, self.optimizer, param)
 
+        partitioned = cfg.parallel.zero_stage > 0
         self.topology = TopologyUpdater(self.engine.module, cfg.sparse, t.steps, t.seed, self.optimizer, fragments,
-                                        self.dp_group) if cfg.model.layer == "sparse" else None
+                                        self.dp_group, partitioned) if cfg.model.layer == "sparse" else None
         if isinstance(self.optimizer, Spectron):
             self.optimizer.attach(factor_pairs(self.engine.module), fragments, self.dp_group,
-                                  partitioned=cfg.parallel.zero_stage > 0)
+                                  partitioned=partitioned)
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only.
         self.measure_grad_norm = not hasattr(self.engine.optimizer, "_global_grad_norm")
         self.loader = PretrainingBatches(train_windows, t.global_batch_size, t.micro_batch_size,
@@ -291,6 +298,9 @@ class Trainer:
             # a skipped step skips its topology update too: its gradients were not finite (RigL would rank them)
             if self.topology and self.topology.due(self.step) and not skipped:
                 self.metrics.log("topology", self.step, **self.topology.update(self.step))
+            if not self.memory_logged and not skipped:  # after the first step: the optimizer state exists
+                self.metrics.log("memory", self.step, **self._held_memory())
+                self.memory_logged = True
             window_loss += loss
             window_steps += 1
             if log_now:
@@ -427,6 +437,13 @@ class Trainer:
         sums = torch.stack(list(norms.values()))
         return {"spectral_norm_max": sums.max().item(), "spectral_norm_mean": sums.mean().item()}
 
+    def _held_memory(self) -> dict[str, int]:
+        """What rank 0 holds between steps, by kind (megasparse.train.memory), whole model and projections."""
+        model = held_bytes(self.engine, self.optimizer)
+        projections = held_bytes(self.engine, self.optimizer, lambda name: name.split(".")[-2] in PROJECTIONS)
+        return {**{f"{kind}_bytes": value for kind, value in model.items()},
+                **{f"projections_{kind}_bytes": value for kind, value in projections.items()}}
+
     def _save(self) -> None:
         t = self.cfg.training
         self.saved_step = self.step
@@ -435,7 +452,7 @@ class Trainer:
             tokens=self.step * t.global_batch_size * self.cfg.data.seq_len, config=self.cfg.to_dict(),
             vocab_size=self.data.vocab_size, tokenizer_sha256=self.data.tokenizer_sha256,
             world_size=dist.get_world_size(), data_parallel_size=self.dp_size,
-            tensor_parallel_size=self.parallel.tensor_parallel_size,
+            tensor_parallel_size=self.parallel.tensor_parallel_size, sparse_storage=BITMASK,
         )
         save_checkpoint(self.engine, self.cfg, meta,
                         {"loader": self.loader.state_dict(), "rng": rng_state()}, self.data.tokenizer_path)

@@ -1,0 +1,44 @@
+"""A sparse layer's mask: which positions of its out x in matrix W are active, one bit per position.
+
+The bits are packed eight positions per byte, in ``numpy.packbits`` order (position 8 j + b is bit
+7 - b of byte j), so a layer's mask costs ceil(out in / 8) bytes whatever its density, and is the
+same array as the ``bitmask`` of a compact model file. The layer's active weights are stored in the
+order of their positions (row-major): slot s holds the weight at the s-th set bit. Unpacking and
+listing the positions (:func:`active_positions`) run on the device with the count known in advance
+(``torch.nonzero_static``), so a forward or backward pass never waits for the device on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+def packed_size(numel: int) -> int:
+    return -(-numel // 8)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """7, 6, ..., 0: numpy.packbits' big-endian bit order (made on the device: no copy from the host)."""
+    return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor (any shape, read flat) as packed bits, uint8 of ceil(numel / 8) bytes."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)
+    return (flat << _shifts(flat.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` positions of packed bits, as a flat boolean tensor."""
+    return ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).view(-1)[:numel].bool()
+
+
+def active_positions(packed: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """The flat positions of the ``count`` set bits, ascending (int64); without a host synchronisation."""
+    return torch.nonzero_static(unpack(packed, numel), size=count, fill_value=numel).squeeze(1)
+
+
+def mask_checksum(packed: torch.Tensor) -> torch.Tensor:
+    """sum_j packed[j] * (j mod 1000003 + 1) in int64: changes when any one byte changes, and almost always
+    when several do."""
+    weights = torch.arange(packed.numel(), device=packed.device, dtype=torch.int64).remainder_(1_000_003).add_(1)
+    return (packed.reshape(-1).long() * weights).sum()

@@ -1,0 +1,74 @@
+"""``megasparse plan`` against what real multi-process runs hold (their ``memory`` event, counted from the live
+tensors), and the command's output and refusals."""
+from __future__ import annotations
+
+import pytest
+from helpers import megasparse_here, one_error_line
+
+from megasparse.config import load_config
+from megasparse.plan import dense_counterpart, plan
+from megasparse.train.memory import KINDS
+from megasparse.train.metrics import read_metrics
+
+
+@pytest.mark.parametrize("method,zero,nproc,precision", [
+    ("smet", 1, 2, "bf16"), ("smet", 2, 2, "fp32"), ("smet", 3, 2, "bf16"), ("smet", 0, 1, "fp32"),
+    ("dense", 2, 2, "bf16"), ("dense", 3, 2, "fp32"), ("spectron", 1, 2, "bf16"), ("smet-tp", 1, 4, "fp32"),
+])
+def test_the_plan_agrees_with_the_bytes_a_run_holds(runs, method, zero, nproc, precision):
+    """Every kind of persistent bytes of the whole model within 5% of rank 0's live count."""
+    tp = 2 if method == "smet-tp" else 1
+    run = runs(zero, nproc, 1, precision=precision, method=method, tp=tp)
+    (held,) = read_metrics(run, "memory")
+    planned = plan(load_config(str(run / "run.yaml")), nproc).model
+    for kind in KINDS:
+        measured = held[f"{kind}_bytes"]
+        assert abs(planned[kind] - measured) <= 0.05 * measured, (kind, planned[kind], measured)
+
+
+def test_the_dense_counterpart_differs_only_in_the_method():
+    cfg = load_config("smet-paper-llama-130m")
+    dense = dense_counterpart(cfg)
+    assert (dense.model.layer, dense.optimizer.name) == ("dense", "adamw")
+    assert (cfg.model.layer, cfg.optimizer.name) == ("sparse", "smet") and dense.training == cfg.training
+
+
+def test_the_smet_projections_at_64_and_512_ranks():
+    """The planner's persistent projection bytes of llama-1b, SMET over dense AdamW, at ZeRO-1, 2 and 3 in bf16 and
+    fp32 at the densities the benchmark measures, meet the SMET memory issue's goal (at most 1.15 d + 0.04), except in bf16 at
+    ZeRO-1/2 with d = 0.1: there every rank holds the whole mask, 1/16 of a dense bf16 weight, while what it is
+    compared with tends to that weight alone as the ranks grow, so the ratio rises towards d + 1/16 (0.1625 > 0.155)
+    and passes the goal between 8 and 64 ranks."""
+    for precision in ("bf16", "fp32"):
+        for stage in (1, 2, 3):
+            for density in (0.5, 0.25, 0.1):
+                ratios = []
+                for gpus in (8, 64, 512):
+                    cfg = load_config("smet-paper-llama-130m", [
+                        "model.preset=llama-1b", "training.global_batch_size=512", f"training.precision={precision}", f"parallel.zero_stage={stage}",
+                        f"sparse.density={density}", "training.micro_batch_size=1"])
+                    ours, dense = plan(cfg, gpus), plan(dense_counterpart(cfg), gpus)
+                    ratios.append(sum(ours.projections[k] for k in KINDS) / sum(dense.projections[k] for k in KINDS))
+                if (precision, stage, density) in {("bf16", 1, 0.1), ("bf16", 2, 0.1)}:
+                    assert ratios[0] <= 1.15 * density + 0.04 < ratios[1] < ratios[2] < density + 1 / 16
+                else:
+                    assert max(ratios) <= 1.15 * density + 0.04, (precision, stage, density, ratios)
+
+
+def test_plan_prints_every_kind_and_whether_it_fits():
+    result = megasparse_here("plan", "smet-paper-llama-130m", "--gpus", "8", "--gpu-memory", "80").check()
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("llama-130m on 8 GPUs (1 tensor-parallel x 8 data-parallel), ZeRO-2, bf16")
+    for kind in (*KINDS, "persistent", "gradients", "activations", "transient", "total"):
+        assert any(line.split()[0] == kind for line in lines[2:]), kind
+    assert lines[-1].startswith("on 80 GB per GPU: SMET fits, dense AdamW fits")
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--gpus", "0"], "--gpus must be at least 1"),
+    (["--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory positive"),
+    (["--gpus", "3", "--set", "parallel.tensor_parallel=2"], "--gpus 3 is not a multiple of parallel.tensor_parallel=2"),
+    (["--gpus", "6"], "is not divisible by micro_batch_size x data-parallel size"),
+])
+def test_plan_refuses_in_one_line(args, expected):
+    one_error_line(megasparse_here("plan", "smet-paper-llama-130m", *args), expected)
