@@ -242,9 +242,10 @@ def wikitext_dataset(vocab_size: int = 8000) -> tuple[Path, str]:
 
 
 def benchmark_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                   run: Callable[[argparse.Namespace], None], worker: Callable[[dict, Path], None]) -> None:
+                   run: Callable[[argparse.Namespace], None], worker: Callable[[dict, Path], None] | None = None) -> None:
     """Parse a benchmark's arguments (its own, plus --out) and run it, or, when started by
-    :func:`run_workers` with ``--worker ARGS RESULT``, run one of its ranks."""
+    :func:`run_workers` with ``--worker ARGS RESULT``, run one of its ranks (``worker``: None for a benchmark
+    that starts no workers)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--out", type=Path, help="write the results here as JSON")

@@ -17,8 +17,9 @@ a checkpoint after step 2. Measures per rank:
   megasparse/train/memory.py), for the projections and for the whole model, and what ``megasparse plan``
   predicts for the same config (``planned``).
 
-The ratio SMET / dense of each measure is reported per run (the worst rank's), against the goal the SMET memory
-issue sets for the projections' persistent bytes (1.15·d + 0.04).
+The ratio SMET / dense of each measure is reported per run (of the persistent bytes, the per-rank means'; of the
+others, the worst rank's), against the goal the SMET memory issue sets for the projections' persistent bytes
+(1.15·d + 0.04).
 """
 from __future__ import annotations
 
@@ -67,9 +68,16 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def ratios(smet: dict, dense: dict) -> dict:
-    """SMET / dense for each measure, the worst rank's."""
-    keys = ("checkpoint", "live_projections", "live_model", "persistent_projections", "persistent_model")
-    return {key: round(max(s[key] / d[key] for s, d in zip(smet["per_rank"], dense["per_rank"])), 4) for key in keys}
+    """SMET / dense for each measure: the per-rank means' ratio for the persistent bytes (ZeRO-1/2 cut dense's flat
+    group of projections, embeddings and head into equal partitions anywhere, so one rank's share of the
+    projections differs from another's while its total does not), the worst rank's for the others."""
+    def mean(run: dict, key: str) -> float:
+        return sum(rank[key] for rank in run["per_rank"]) / len(run["per_rank"])
+
+    worst = {key: max(s[key] / d[key] for s, d in zip(smet["per_rank"], dense["per_rank"]))
+             for key in ("checkpoint", "live_projections", "live_model")}
+    means = {key: mean(smet, key) / mean(dense, key) for key in ("persistent_projections", "persistent_model")}
+    return {key: round(value, 4) for key, value in {**worst, **means}.items()}
 
 
 def _worker(a: dict, result: Path) -> None:
@@ -124,36 +132,45 @@ def _live_bytes(module) -> dict[str, int]:
     return {"live_projections": projections, "live_model": model}
 
 
+def _setting(r: dict) -> list[str]:
+    return [r["precision"], f"ZeRO-{r['stage']}", str(r["ranks"]),
+            "dense AdamW" if r["density"] is None else f"SMET d={r['density']}"]
+
+
+def _ratio(r: dict, key: str, digits: int) -> str:
+    """The worst rank's SMET / dense ratio of ``key`` (a dash for the dense run)."""
+    return f"{r['ratios'][key]:.{digits}f}" if r.get("ratios") else "-"
+
+
+def _goal(r: dict) -> str:
+    return f"{bound(r['density']):.3f}" if r.get("ratios") else "-"
+
+
 def table(runs: list[dict]) -> str:
-    rows = []
-    for r in runs:
-        rank0 = r["per_rank"][0]
-        method = "dense AdamW" if r["density"] is None else f"SMET d={r['density']}"
-        shown = r.get("ratios")
-        rows.append([r["precision"], f"ZeRO-{r['stage']}", str(r["ranks"]), method,
-                     f"{rank0['checkpoint'] / 1e6:.2f}", f"{rank0['live_projections'] / 1e6:.2f}",
-                     f"{shown['checkpoint']:.2f}" if shown else "-", f"{shown['live_projections']:.2f}" if shown else "-",
-                     f"{bound(r['density']):.3f}" if shown else "-"])
+    """The before table: checkpoint and module bytes (the int32 index counted with the weights)."""
+    rows = [[*_setting(r), f"{r['per_rank'][0]['checkpoint'] / 1e6:.2f}",
+             f"{r['per_rank'][0]['live_projections'] / 1e6:.2f}", _ratio(r, "checkpoint", 2),
+             _ratio(r, "live_projections", 2), _goal(r)] for r in runs]
     return markdown_table(["precision", "stage", "ranks", "method", "checkpoint (MB/rank)",
                            "projections held (MB/rank)", "SMET/dense checkpoint", "SMET/dense projections held",
                            "goal (1.15 d + 0.04)"], "lllrrrrrr", rows)
 
 
 def persistent_table(runs: list[dict]) -> str:
-    """Rank 0's persistent bytes (held, and as planned) and the worst rank's SMET / dense ratios."""
+    """Rank 0's persistent bytes (held, and the plan's against them) and the worst rank's SMET / dense ratios."""
     rows = []
     for r in runs:
         rank0 = r["per_rank"][0]
-        method = "dense AdamW" if r["density"] is None else f"SMET d={r['density']}"
-        shown = r.get("ratios")
-        rows.append([r["precision"], f"ZeRO-{r['stage']}", str(r["ranks"]), method,
-                     f"{rank0['persistent_model'] / 1e6:.2f}", f"{rank0['persistent_projections'] / 1e6:.3f}",
+        rows.append([*_setting(r), f"{rank0['persistent_model'] / 1e6:.2f}",
+                     f"{rank0['planned_model'] / rank0['persistent_model']:.3f}",
+                     f"{rank0['persistent_projections'] / 1e6:.3f}",
                      f"{rank0['planned_projections'] / rank0['persistent_projections']:.3f}",
-                     f"{shown['persistent_projections']:.3f}" if shown else "-",
-                     f"{bound(r['density']):.3f}" if shown else "-", f"{shown['checkpoint']:.2f}" if shown else "-"])
-    return markdown_table(["precision", "stage", "ranks", "method", "persistent, model (MB/rank)",
+                     _ratio(r, "persistent_projections", 3), _goal(r), _ratio(r, "live_projections", 2),
+                     _ratio(r, "checkpoint", 2)])
+    return markdown_table(["precision", "stage", "ranks", "method", "persistent, model (MB/rank)", "planned / held",
                            "persistent, projections (MB/rank)", "planned / held", "SMET/dense projections",
-                           "goal (1.15 d + 0.04)", "SMET/dense checkpoint"], "lllrrrrrrr", rows)
+                           "goal (1.15 d + 0.04)", "SMET/dense projections' module copy", "SMET/dense checkpoint"],
+                          "lllrrrrrrrrr", rows)
 
 
 if __name__ == "__main__":

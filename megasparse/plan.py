@@ -4,8 +4,8 @@ Per-element accounting of the model built on the meta device (each tensor-parall
 T = ``parallel.tensor_parallel``, D = G / T data-parallel ranks, b the training precision's bytes (bf16 2,
 fp32 4). For each parameter of n elements on a rank:
 
-- weights: n b at ZeRO-0/1/2; at ZeRO-3 ceil(n / D) b, plus n b when n is at most
-  ``stage3_param_persistence_threshold`` (DeepSpeed's default 1e5; such parameters stay gathered);
+- weights: n b at ZeRO-0/1/2; at ZeRO-3 ceil(n / D) b, plus n b when n is at most the persistence threshold
+  (such parameters stay gathered: :func:`megasparse.train.deepspeed_config.persistence_threshold`);
 - masks (SMET's packed bitmask, n = ceil(out in / 8) bytes, whole on every tensor-parallel rank): the same
   rule with b = 1;
 - masters: 4 n / D at ZeRO-1/2/3 (none at ZeRO-0: the fp32 module weights are the optimizer's);
@@ -25,9 +25,12 @@ run (the tests hold the two within 5%). Within a step come:
   s B h b per block plus one block's whole set under full checkpointing, and half the block's set under
   selective; plus the logits, s B V (b + 4) / T (with their fp32 copy for the loss);
 - the largest transient: a sparse layer's pass (its dense W and dL/dW, 2 out in b / T, its unpacked mask,
-  about 3 out in bytes, and its positions, 8 nnz), a topology update (per layer: values, an fp32 state
-  buffer and the int64 sources of its nnz slots, 16 nnz, and its unpacked mask) or SMET's step pieces (16
-  bytes per slot of a sixth of the largest partition).
+  about 3 out in bytes, and its positions, 8 nnz); a topology update (per layer: its values, an fp32 state
+  buffer and the int64 positions, sources and kept slots, (28 + b) nnz, and its unpacked mask, 3 out in),
+  with SET's list of free positions and its draw, 16 (out in - nnz), or RigL's choice, the fp32 sum of the
+  layer's dense gradient, |dL/dW| and its argsort, 20 out in (with several micro-batches per step every
+  sparse layer's fp32 sum, 4 out in / T each, lives from its first micro-batch's backward to its last);
+  or SMET's step pieces (16 bytes per slot of a sixth of the largest partition).
 
 Not counted: DeepSpeed's communication buckets (``reduce_bucket_size``, ``allgather_bucket_size``,
 ``stage3_prefetch_bucket_size``: each that many elements when set), the CUDA context and allocator
@@ -48,9 +51,9 @@ from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
+from megasparse.train.deepspeed_config import persistence_threshold
 from megasparse.train.memory import KINDS
 
-PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold
 STEP_KINDS = ("gradients", "activations", "transient")
 GB = 1e9
 
@@ -95,8 +98,7 @@ def plan(cfg: Config, gpus: int, vocab_size: int | None = None) -> Plan:
     d, stage = gpus // t, cfg.parallel.zero_stage
     cfg.validate(d)
     b = 2 if cfg.training.precision == "bf16" else 4
-    threshold = cfg.deepspeed.get("zero_optimization", {}).get("stage3_param_persistence_threshold",
-                                                               PERSISTENCE_THRESHOLD)
+    threshold = persistence_threshold(cfg)
     vocab_size = vocab_size or vocabulary(cfg)[0]
     with torch.device("meta"):
         model = Llama(cfg.model, vocab_size, layer_factory(cfg, TensorParallel(None, t, 0)))
@@ -121,7 +123,7 @@ def plan(cfg: Config, gpus: int, vocab_size: int | None = None) -> Plan:
             for kind, value in held.items():
                 totals[part][kind] += value
     totals["model"]["activations"] = _activation_bytes(cfg, vocab_size, b, t)
-    totals["model"]["transient"] = _largest_transient(model, b, d if stage > 0 else 1)
+    totals["model"]["transient"] = _largest_transient(model, cfg, b, d)
     return Plan(totals["model"], totals["projections"])
 
 
@@ -146,14 +148,24 @@ def _activation_bytes(cfg: Config, vocab_size: int, b: int, t: int) -> float:
     return kept + logits
 
 
-def _largest_transient(model: Llama, b: int, d: int) -> float:
+def _largest_transient(model: Llama, cfg: Config, b: int, d: int) -> float:
     sparse = [layer for layer in model.modules() if isinstance(layer, SparseLinear)]
     if not sparse:
         return 0.0
-    passes = max(2 * layer.shard_shape[0] * layer.shard_shape[1] * b + 3 * layer.in_features * layer.out_features
-                 + 8 * layer.nnz for layer in sparse)
-    update = max(16 * layer.nnz + 3 * layer.in_features * layer.out_features for layer in sparse)
-    step = 16 * max(layer.stored_slots for layer in sparse) / d / 6
+
+    def numel(layer: SparseLinear) -> int:
+        return layer.in_features * layer.out_features
+
+    passes = max(2 * layer.shard_shape[0] * layer.shard_shape[1] * b + 3 * numel(layer) + 8 * layer.nnz
+                 for layer in sparse)
+    if cfg.sparse.regrow == "gradient":
+        choice = max(20 * numel(layer) for layer in sparse)
+        if cfg.gradient_accumulation_steps(d) > 1:
+            choice += sum(4 * layer.shard_shape[0] * layer.shard_shape[1] for layer in sparse)
+    else:
+        choice = max(16 * (numel(layer) - layer.nnz) for layer in sparse)
+    update = choice + max((28 + b) * layer.nnz + 3 * numel(layer) for layer in sparse)
+    step = 16 * max(layer.stored_slots for layer in sparse) / (d if cfg.parallel.zero_stage > 0 else 1) / 6
     return float(max(passes, update, step))
 
 

@@ -72,3 +72,30 @@ def test_plan_prints_every_kind_and_whether_it_fits():
 ])
 def test_plan_refuses_in_one_line(args, expected):
     one_error_line(megasparse_here("plan", "smet-paper-llama-130m", *args), expected)
+
+
+def test_rigl_with_several_micro_batches_plans_every_layers_dense_gradient_sum():
+    """RigL keeps each sparse layer's fp32 dL/dW sum from its first micro-batch's backward to its last: with two
+    micro-batches per step the transient grows by 4 bytes per position of every sparse W."""
+    def transient(regrow: str, micro_batch: int) -> float:
+        cfg = load_config("smet-paper-llama-130m", [f"sparse.regrow={regrow}", f"training.micro_batch_size={micro_batch}",
+                                                    "training.global_batch_size=16"])
+        return plan(cfg, 8).model["transient"]
+
+    positions = 12 * (4 * 768 * 768 + 3 * 768 * 2048)  # llama-130m's projections
+    assert transient("gradient", 1) - transient("gradient", 2) == 4 * positions
+    assert transient("random", 1) == transient("random", 2) < transient("gradient", 2)
+
+
+def test_zero3_keeps_a_sparse_projection_gathered_when_its_dense_weight_would_be():
+    """DeepSpeed's persistence threshold (10^5 elements) scaled by the density for SMET, unless the config sets it."""
+    from megasparse.train.deepspeed_config import deepspeed_config
+
+    def threshold(*overrides: str):
+        cfg = load_config("smet-paper-llama-130m", ["parallel.zero_stage=3", *overrides])
+        return deepspeed_config(cfg, 8)["zero_optimization"].get("stage3_param_persistence_threshold")
+
+    assert threshold() == 50_000 and threshold("sparse.density=0.1") == 10_000
+    assert threshold("model.layer=dense", "optimizer.name=adamw") == 100_000
+    assert threshold("deepspeed.zero_optimization.stage3_param_persistence_threshold=7") == 7
+    assert threshold("parallel.zero_stage=2") is None

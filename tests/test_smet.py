@@ -14,7 +14,7 @@ from megasparse.optim.partitions import Fragment
 from megasparse.parallel.layers import WeightInit
 from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import active_positions, pack, unpack
+from megasparse.sparse.mask import active_positions, mask_checksum, pack, unpack
 from megasparse.sparse.optimizer import MATURE
 from megasparse.sparse.topology import (TopologyUpdater, gradient_regrowth, prune_fraction, pruned_slots,
                                         random_regrowth, regrowth_count, slot_sources)
@@ -356,6 +356,20 @@ def test_the_mask_packs_as_numpy_does():
     assert packed.tolist() == np.packbits(bits.numpy()).tolist()
     assert torch.equal(unpack(packed, 1003), bits)
     assert active_positions(packed, 1003, int(bits.sum())).tolist() == bits.nonzero().squeeze(1).tolist()
+
+
+def test_the_mask_checksum_tells_one_moved_bit():
+    """Every single active position moved elsewhere changes the checksum (among them a move that weights
+    proportional to the byte number missed: {1, 15, 40} against {1, 6, 40})."""
+    def checksum(positions):
+        active = torch.zeros(64, dtype=torch.bool)
+        active[list(positions)] = True
+        return int(mask_checksum(pack(active)))
+
+    base = {1, 15, 40}
+    sums = {checksum(base - {moved} | {to}) for moved in base for to in range(64) if to not in base}
+    assert checksum({1, 6, 40}) != checksum(base) and checksum(base) not in sums
+    assert len(sums) == 3 * 61  # and all the moves differ from one another
 
 
 @pytest.mark.parametrize("raw,message", [

@@ -26,6 +26,7 @@ data-parallel size and ZeRO stage, fragment by fragment (:mod:`megasparse.optim.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ def read_training_state(checkpoint: Checkpoint) -> TrainingState:
                         and value.dim() > 0 else value for key, value in entry.items()}
                  for name, entry in ranks[0][1].items()}
     _share_group_values(optimizer, model, cfg)
-    _upgrade(meta, weights, optimizer, model)
+    meta = _upgrade(meta, weights, optimizer, model)
     states = ranks[0][2]
     missing = [key for key in ("lr_scheduler", "megasparse", *_COUNTERS) if key not in states]
     if missing:
@@ -141,12 +142,12 @@ def _zero3_frozen(checkpoint: Checkpoint, t: int, shapes: dict[str, torch.Size])
 
 
 def _upgrade(meta: CheckpointMeta, weights: dict[str, torch.Tensor], optimizer: dict[str, dict[str, Any]],
-             model: nn.Module) -> None:
-    """A state whose sparse layers stored positions as today's (legacy.py); ``meta`` says so afterwards."""
+             model: nn.Module) -> CheckpointMeta:
+    """A state whose sparse layers stored positions as today's (legacy.py), in place; returns ``meta`` saying so."""
     numels = {prefix: m.in_features * m.out_features for prefix, m in model.named_modules()
               if isinstance(m, SparseLinear)}
     upgrade_indices(weights, optimizer, numels)
-    meta.sparse_storage = BITMASK
+    return dataclasses.replace(meta, sparse_storage=BITMASK)
 
 
 def _zero0_optimizer_state(saved: dict | None, checkpoint: Checkpoint, model: nn.Module,
@@ -337,6 +338,5 @@ def _read_universal(checkpoint: Checkpoint) -> TrainingState:
     for key, tensor in tensors.items():
         name, _, state_key = key.rpartition("/")
         optimizer.setdefault(name, {})[state_key] = tensor
-    meta = checkpoint.meta
-    _upgrade(meta, weights, optimizer, reference_model(checkpoint.config, meta.vocab_size))
+    meta = _upgrade(checkpoint.meta, weights, optimizer, reference_model(checkpoint.config, checkpoint.meta.vocab_size))
     return TrainingState(meta, weights, optimizer, values["scheduler"], values["client"], values["counters"])

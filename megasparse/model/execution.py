@@ -64,7 +64,7 @@ def _recomputed(forward, selective: bool, *args):
 
 def compile_blocks(model: Llama) -> None:
     """Compile every block with ``torch.compile`` (after :func:`checkpoint_blocks`, so that the recomputation
-    is compiled with it). The blocks keep their parameters and names; a sparse layer's index is a buffer
-    whose values change at a topology update while its shape does not, so no update recompiles."""
+    is compiled with it). The blocks keep their parameters and names; a sparse layer's mask is a parameter
+    whose bits change at a topology update while its shape does not, so no update recompiles."""
     for block in model.layers:
         block.compile()

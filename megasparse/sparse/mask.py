@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import torch
 
-def packed_size(numel: int) -> int:
-    return -(-numel // 8)
-
-
 def _shifts(device: torch.device) -> torch.Tensor:
     """7, 6, ..., 0: numpy.packbits' big-endian bit order (made on the device: no copy from the host)."""
     return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
@@ -38,7 +34,10 @@ def active_positions(packed: torch.Tensor, numel: int, count: int) -> torch.Tens
 
 
 def mask_checksum(packed: torch.Tensor) -> torch.Tensor:
-    """sum_j packed[j] * (j mod 1000003 + 1) in int64: changes when any one byte changes, and almost always
-    when several do."""
-    weights = torch.arange(packed.numel(), device=packed.device, dtype=torch.int64).remainder_(1_000_003).add_(1)
+    """sum_j packed[j] w_j in int64 (wrapping), w_j a pseudo-random 64-bit weight of byte j (a multiplicative
+    hash of j): equal masks give equal sums, and masks that differ (a bit moved from byte j to byte k changes
+    the sum by 2^a w_j - 2^b w_k) give different ones but for a chance of about 2^-64 per change."""
+    j = torch.arange(1, packed.numel() + 1, device=packed.device, dtype=torch.int64)
+    weights = j * -7046029254386353131  # 0x9E3779B97F4A7C15, the golden-ratio constant, as a signed int64
+    weights = (weights ^ (weights >> 29)) * -4658895280553007687  # 0xBF58476D1CE4E5B9: SplitMix64's mixing
     return (packed.reshape(-1).long() * weights).sum()

@@ -29,9 +29,11 @@ again.
 
 The optimizer state of a layer's slots is spread over the ranks (ZeRO-1/2/3 partitions, tensor-parallel
 slices), and a slot's new place may be on another rank: each state tensor of the layer (fp32 master,
-first and second moments, cohort ids; one at a time, so at most nnz fp32 numbers more than a step holds)
-is assembled whole by one all-reduce to which exactly one rank contributes each slot, and every rank takes
-its part of it in the new order.
+first and second moments, cohort ids; one at a time) is assembled whole by one all-reduce to which exactly
+one rank contributes each slot, and every rank takes its part of it in the new order. Per layer that holds
+about 4 + 8 + 8 + 8 bytes per slot (the fp32 state, and the int64 positions, sources and kept slots) and the
+unpacked mask, one byte per position of W; nothing moves, and nothing is sent, in a layer that regrows no
+weight.
 
 The masks agree across ranks only because every rank takes the same decision. On CUDA, kernels that are
 not deterministic can make nearly equal magnitudes sort differently on different ranks, so after each
@@ -206,7 +208,8 @@ class TopologyUpdater:
                 if number == 0:
                     skew_mask(layer.mask, step)
                 sums.append(mask_checksum(layer.mask))
-            self._move_optimizer_state(layer, source, layer.local_slots(landing), cohort)
+            if count:  # the same on every rank
+                self._move_optimizer_state(layer, source, layer.local_slots(landing), cohort)
             moved += count
         self.regrowth = []
         self._check_ranks_agree(step, torch.stack(sums))

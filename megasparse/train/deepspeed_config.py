@@ -11,6 +11,26 @@ import copy
 from typing import Any
 
 from megasparse.config import Config
+from megasparse.model.factory import sparse_densities
+
+PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold, in elements
+_PERSISTENCE_KEY = "stage3_param_persistence_threshold"
+
+
+def persistence_threshold(cfg: Config) -> int:
+    """The most elements a parameter may have that ZeRO-3 keeps gathered between uses: the config's own
+    ``deepspeed.zero_optimization.stage3_param_persistence_threshold`` where it sets one, else DeepSpeed's 10^5,
+    scaled for SMET by its smallest layer density d_min. DeepSpeed's default keeps small layers gathered
+    (fewer, larger collectives); a sparse layer's compact values have d times its dense weight's elements, so
+    without the scaling every projection of fewer than 10^5 / d weights would stay whole on every rank, as its
+    dense counterpart would not. With it, a projection's values stay gathered when its dense weight would
+    (exactly so at uniform density)."""
+    own = cfg.deepspeed.get("zero_optimization", {}).get(_PERSISTENCE_KEY)
+    if own is not None:
+        return own
+    if cfg.model.layer != "sparse":
+        return PERSISTENCE_THRESHOLD
+    return int(PERSISTENCE_THRESHOLD * min(sparse_densities(cfg).values()))
 
 
 def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:
@@ -24,7 +44,8 @@ def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:
         "gradient_clipping": t.grad_clip,
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": False},
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": {"stage": cfg.parallel.zero_stage,
+                              **({_PERSISTENCE_KEY: persistence_threshold(cfg)} if cfg.parallel.zero_stage == 3 else {})},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # megasparse logs the metrics itself
         "wall_clock_breakdown": False,
