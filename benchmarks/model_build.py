@@ -1,7 +1,8 @@
 """The host memory each rank uses to build the model and hand it to DeepSpeed, before and after building it
 straight onto the device in the training precision (megasparse/model/placement.py).
 
-    python benchmarks/model_build.py --preset llama-1b --ranks 2 --out benchmarks/results/model_build.json
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/model_build.py --preset llama-1b --ranks 2 \
+        --out benchmarks/results/model_build.json
 
 Each run starts N processes (gloo, CPU), builds ``--preset`` (dense AdamW and SMET at d = 0.5, bf16, ZeRO-3)
 with the seed the trainer uses, and calls ``deepspeed.initialize`` as the trainer does. Three ways:
@@ -14,7 +15,10 @@ with the seed the trainer uses, and calls ``deepspeed.initialize`` as the traine
 
 Measured per rank: the resident set's peak (``ru_maxrss``) above the resident set after the imports and the
 process group (the baseline), after the build and after ``deepspeed.initialize``; and the parameters, for
-bytes per parameter. Rank 0's figures are shown (the ranks build the same model).
+bytes per parameter. Rank 0's figures are shown (the ranks build the same model). glibc's allocator keeps
+freed blocks under its mmap threshold for reuse, and that threshold grows with each large free (up to 32 MB),
+so the resident set would keep every layer's freed fp32 draws; ``MALLOC_MMAP_THRESHOLD_=131072`` fixes the
+threshold, so that a freed tensor leaves the resident set.
 """
 from __future__ import annotations
 

@@ -36,10 +36,12 @@ import host_syncs  # noqa: E402
 import inference_speed  # noqa: E402
 import lowrank_init  # noqa: E402
 import lowrank_speed  # noqa: E402
+import model_build  # noqa: E402
 import peers  # noqa: E402
 import rigl_memory  # noqa: E402
 import smet_cold_start  # noqa: E402
 import smet_memory  # noqa: E402
+import smet_plan  # noqa: E402
 import smet_scaling  # noqa: E402
 import smet_speed  # noqa: E402
 import smet_stability  # noqa: E402
@@ -61,6 +63,8 @@ BENCHMARKS = {
     "throughput": "`megasparse train` tokens/s and peak memory, dense AdamW, 1 and 2 ranks",
     "smet_memory": "SMET's optimizer state, persistent state and gradient traffic per rank against dense AdamW",
     "smet_scaling": "SMET's bytes per rank against dense AdamW over precision, ZeRO stage and ranks",
+    "smet_plan": "`megasparse plan`'s SMET bytes per rank against dense AdamW at 8, 64 and 512 GPUs",
+    "model_build": "host memory per rank to build the model and hand it to DeepSpeed",
     "smet_speed": "SMET's step time against dense AdamW, and a topology update's cost",
     "smet_stability": "loss after topology updates, naive dynamic sparsity against SMET (earlier design)",
     "smet_cold_start": "the cold start of regrown weights under naive sparsity and SMET, and the loss after updates",
@@ -97,10 +101,15 @@ MEASURED_AT = {
     "rigl_memory.json": ("e0efbfd (2026-12-02)", None),
     "rigl_memory_before.json": ("c67c71d (2026-12-02)", "4d6b548"),
     "rigl_memory_compiled.json": ("cfaf839 (2026-12-02)", None),
+    "rigl_memory_mask.json": ("a2105c3 (2026-12-02)", "1bcf91e"),
+    "rigl_memory_set.json": ("a2105c3 (2026-12-02)", "1bcf91e"),
     "smet_cold_start.json": ("cb900ad (2026-12-01)", None),
     "smet_cold_start_pilot.json": ("219d64a (2026-12-01)", None),
     "smet_memory.json": ("3d143b7 (2026-11-29)", None),
+    "smet_scaling.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
     "smet_scaling_before.json": ("1e2431b (2026-12-02)", "6ea818d"),
+    "smet_plan.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
+    "model_build.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
     "smet_speed.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr3e-3.json": ("93bd49d (2026-11-29)", None),
@@ -157,6 +166,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "throughput": lambda: throughput.table(result("throughput")["runs"]),
     "smet_memory": lambda: smet_memory.table(result("smet_memory")["runs"]),
     "smet_scaling_before": lambda: smet_scaling.table(result("smet_scaling_before")["runs"]),
+    "smet_scaling": lambda: smet_scaling.persistent_table(result("smet_scaling")["runs"]),
+    "smet_scaling.summary": lambda: smet_scaling.summary_table(result("smet_scaling")["runs"]),
+    "smet_plan": lambda: smet_plan.table(result("smet_plan")["runs"]),
+    "model_build": lambda: model_build.table(result("model_build")["runs"]),
     "smet_speed": lambda: smet_speed.table(result("smet_speed")["summary"],
                                            result("smet_speed")["settings"]["density"]),
     "smet_stability.lr3e-3": lambda: smet_stability.table(result("smet_stability_lr3e-3")["runs"]),
@@ -179,7 +192,8 @@ TABLES: dict[str, Callable[[], str]] = {
        for name in ("host_syncs", "host_syncs_before")},
     "lowrank_init": lambda: lowrank_init.table(result("lowrank_init")),
     **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
-       for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled")},
+       for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled", "rigl_memory_mask",
+                    "rigl_memory_set")},
     "sparse_inference": lambda: sparse_inference.table(result("sparse_inference")["results"]),
     **{name: functools.partial(lambda n: inference_speed.table(result(n)["results"]), name)
        for name in ("inference_speed", "inference_speed_before", "inference_speed_compiled")},

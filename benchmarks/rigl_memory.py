@@ -3,15 +3,17 @@
     python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory.json
     PYTHONPATH=<a checkout of 4d6b548> python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory_before.json
     python benchmarks/rigl_memory.py --compile --out benchmarks/results/rigl_memory_compiled.json
-    python benchmarks/rigl_memory.py --regrow random --precision bf16 --zero-stages 2 3 --ranks 2 \
-        --accumulation 1 --out benchmarks/results/rigl_memory_zero.json
+    python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory_mask.json
+    python benchmarks/rigl_memory.py --regrow random --accumulation 1 --out benchmarks/results/rigl_memory_set.json
 
 A sparse layer stores only its active weights, but RigL's regrowth (``sparse.regrow: gradient``) ranks the
 inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm
 trains SMET with RigL (density ``--density``, an update after every second step) on one rank, fp32,
 ZeRO-0 (or with ``--regrow``, ``--precision``, ``--zero-stages`` and ``--ranks``: another regrowth, precision,
-ZeRO stage and number of ranks; rank 0's peaks are shown), ``--micro-batch`` sequences per micro-batch and ``--accumulation`` micro-batches per step (with
-``--compile``, compiled blocks, whose update steps run eagerly), in a process of its own: step 1 warms up
+ZeRO stage and number of ranks, rank 0's peaks shown; on 2 ranks in bf16 at ZeRO-2 the profiler's memory
+timeline stops on an internal assertion), ``--micro-batch`` sequences per micro-batch and ``--accumulation``
+micro-batches per step (with ``--compile``, compiled blocks, whose update steps run eagerly), in a process of
+its own: step 1 warms up
 (the optimizer state is made), step 2 collects the dense gradients and updates the topology after it, step 3
 is an ordinary step. Steps 2 and 3 run under torch's profiler with memory profiling, and each one's peak is
 the largest sum of the bytes allocated minus freed since the step began (every allocation of the process on
@@ -93,7 +95,7 @@ def _worker(a: dict, result: Path) -> None:
     from megasparse.sparse.mask import mask_checksum
 
     overrides = short_run_overrides(a["preset"], a["data"], a["seq_len"], 3, a["micro_batch"],
-                                    a["micro_batch"] * a["accumulation"], result.parent / "run")
+                                    a["micro_batch"] * a["accumulation"] * a["ranks"], result.parent / "run")
     trainer = start_trainer(overrides + ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                                          f"sparse.regrow={a['regrow']}", "sparse.update_interval=2",
                                          f"training.precision={a['precision']}", f"parallel.zero_stage={a['zero_stage']}",

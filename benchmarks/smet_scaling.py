@@ -173,5 +173,20 @@ def persistent_table(runs: list[dict]) -> str:
                           "lllrrrrrrrrr", rows)
 
 
+def summary_table(runs: list[dict]) -> str:
+    """SMET / dense of the projections' persistent bytes, one row per precision, stage and density, one column
+    per number of ranks."""
+    ranks = sorted({r["ranks"] for r in runs})
+    cells: dict[tuple, dict[int, float]] = {}
+    for r in runs:
+        if r.get("ratios"):
+            key = (r["precision"], r["stage"], r["density"])
+            cells.setdefault(key, {})[r["ranks"]] = r["ratios"]["persistent_projections"]
+    rows = [[precision, f"ZeRO-{stage}", str(density), *(f"{cells[(precision, stage, density)][n]:.3f}" for n in ranks),
+             f"{bound(density):.3f}"] for (precision, stage, density) in cells]
+    return markdown_table(["precision", "stage", "d", *(f"{n} ranks" for n in ranks), "goal"],
+                          "lll" + "r" * (len(ranks) + 1), rows)
+
+
 if __name__ == "__main__":
     benchmark_main(__doc__, _arguments, _run, _worker)

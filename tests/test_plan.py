@@ -40,7 +40,7 @@ def test_the_smet_projections_at_64_and_512_ranks():
     compared with tends to that weight alone as the ranks grow, so the ratio rises towards d + 1/16 (0.1625 > 0.155)
     and passes the goal between 8 and 64 ranks."""
     for precision in ("bf16", "fp32"):
-        for stage in (1, 2, 3):
+        for stage in (2, 3):  # ZeRO-1 holds what ZeRO-2 does between steps
             for density in (0.5, 0.25, 0.1):
                 ratios = []
                 for gpus in (8, 64, 512):
@@ -49,7 +49,7 @@ def test_the_smet_projections_at_64_and_512_ranks():
                         f"sparse.density={density}", "training.micro_batch_size=1"])
                     ours, dense = plan(cfg, gpus), plan(dense_counterpart(cfg), gpus)
                     ratios.append(sum(ours.projections[k] for k in KINDS) / sum(dense.projections[k] for k in KINDS))
-                if (precision, stage, density) in {("bf16", 1, 0.1), ("bf16", 2, 0.1)}:
+                if (precision, stage, density) == ("bf16", 2, 0.1):
                     assert ratios[0] <= 1.15 * density + 0.04 < ratios[1] < ratios[2] < density + 1 / 16
                 else:
                     assert max(ratios) <= 1.15 * density + 0.04, (precision, stage, density, ratios)

@@ -23,14 +23,20 @@ def pack(mask: torch.Tensor) -> torch.Tensor:
     return (flat << _shifts(flat.device)).sum(1, dtype=torch.uint8)
 
 
+def _bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` positions of packed bits, one uint8 (0 or 1) each."""
+    return ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).view(-1)[:numel]
+
+
 def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` positions of packed bits, as a flat boolean tensor."""
-    return ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).view(-1)[:numel].bool()
+    return _bits(packed, numel).bool()
 
 
 def active_positions(packed: torch.Tensor, numel: int, count: int) -> torch.Tensor:
-    """The flat positions of the ``count`` set bits, ascending (int64); without a host synchronisation."""
-    return torch.nonzero_static(unpack(packed, numel), size=count, fill_value=numel).squeeze(1)
+    """The flat positions of the ``count`` set bits, ascending (int64); without a host synchronisation (and
+    without a boolean copy: nonzero reads the bits as they are)."""
+    return torch.nonzero_static(_bits(packed, numel), size=count, fill_value=numel).squeeze(1)
 
 
 def mask_checksum(packed: torch.Tensor) -> torch.Tensor:
