@@ -193,7 +193,9 @@ class TopologyUpdater:
         moved, sums = 0, []
         for number, layer in enumerate(self.layers):
             count = regrowth_count(layer, zeta)
-            with deepspeed.zero.GatheredParameters([layer.values, layer.mask], modifier_rank=0):  # no-op below ZeRO-3
+            # no-ops below ZeRO-3; one parameter each, as DeepSpeed 0.19.0 gathers a list into its first one's dtype
+            with deepspeed.zero.GatheredParameters([layer.values], modifier_rank=0), \
+                    deepspeed.zero.GatheredParameters([layer.mask], modifier_rank=0):
                 values = layer.whole(layer.values)
                 positions = layer.positions()
                 active = unpack(layer.mask, layer.in_features * layer.out_features)
