@@ -10,15 +10,15 @@ A sparse layer stores only its active weights, but RigL's regrowth (``sparse.reg
 inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm
 trains SMET with RigL (density ``--density``, an update after every second step) on one rank, fp32,
 ZeRO-0 (or with ``--regrow``, ``--precision``, ``--zero-stages`` and ``--ranks``: another regrowth, precision,
-ZeRO stage and number of ranks, rank 0's peaks shown; on 2 ranks in bf16 at ZeRO-2 the profiler's memory
-timeline stops on an internal assertion), ``--micro-batch`` sequences per micro-batch and ``--accumulation``
+ZeRO stage and number of ranks, rank 0's peaks shown), ``--micro-batch`` sequences per micro-batch and ``--accumulation``
 micro-batches per step (with ``--compile``, compiled blocks, whose update steps run eagerly), in a process of
 its own: step 1 warms up
 (the optimizer state is made), step 2 collects the dense gradients and updates the topology after it, step 3
 is an ordinary step. Steps 2 and 3 run under torch's profiler with memory profiling, and each one's peak is
 the largest sum of the bytes allocated minus freed since the step began (every allocation of the process on
-the trainer's device, CPU or GPU, counted exactly, not sampled; the profiler's memory timeline, a private
-torch API). Reported: both peaks, their difference (what collecting costs), and for scale the fp32 dense
+the trainer's device, CPU or GPU, counted exactly, not sampled, from the profiler's allocation events; until
+2026-12-02 from its memory timeline, a private torch API that stops on an internal assertion in bf16 at ZeRO-2
+on 2 ranks). Reported: both peaks, their difference (what collecting costs), and for scale the fp32 dense
 matrices of all sparse layers together and of the largest one. A checksum of every layer's positions after the
 update (of its index before 2026-12, of its mask since) shows that the runs compared took the same decision.
 """
@@ -74,17 +74,27 @@ def table(runs: list[dict]) -> str:
 
 
 def _step_peak(trainer, step: int) -> int:
-    """The peak bytes allocated above the start of the trainer's step ``step`` (with its topology update)."""
-    import torch
+    """The peak bytes allocated above the start of the trainer's step ``step`` (with its topology update): the
+    largest running sum of the sizes of the step's allocations and frees on the trainer's device, in the order
+    the profiler recorded them."""
+    import itertools
+
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    def events(nodes):
+        for node in nodes:
+            yield node
+            yield from events(node.children)
 
     trainer.cfg.training.steps = step
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])]
-    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=activities, profile_memory=True) as prof:
         trainer.run()
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device(trainer.device))
-    return max(sum(categories) for categories in sizes)
+    allocations = sorted((e for e in events(prof.profiler.kineto_results.experimental_event_tree())
+                          if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == trainer.device.type),
+                         key=lambda e: e.start_time_ns)
+    return max(itertools.accumulate(e.typed[1].alloc_size for e in allocations), default=0)
 
 
 def _worker(a: dict, result: Path) -> None:

@@ -270,6 +270,21 @@ def test_regrowth_by_gradient_takes_the_largest_inactive_gradients():
     assert gradient_regrowth(grad, active, 2).tolist() == [5, 7]
 
 
+def test_regrowth_by_gradient_equals_a_stable_sort_of_the_scores_with_ties():
+    """The choice without a whole-matrix sort equals RigL's definition: a stable descending sort of |dL/dW| with
+    the active positions last, its first ``count`` (integer gradients make many ties at the threshold)."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        numel = int(torch.randint(1, 80, (), generator=generator))
+        grad = (torch.randint(-3, 4, (numel,), generator=generator).float() if trial % 2
+                else torch.randn(numel, generator=generator))
+        active = torch.rand(numel, generator=generator) < torch.rand((), generator=generator)
+        count = int(torch.randint(0, int((~active).sum()) + 1, (), generator=generator))
+        scores = grad.abs().masked_fill(active, -1.0)
+        expected = torch.argsort(scores, descending=True, stable=True)[:count].sort().values
+        assert torch.equal(gradient_regrowth(grad.clone(), active, count), expected), (grad, active, count)
+
+
 def test_random_regrowth_is_seeded():
     active = torch.arange(100) < 20
     picks = [random_regrowth(active, 5, torch.Generator().manual_seed(s)).tolist() for s in (1, 1, 2)]

@@ -86,11 +86,23 @@ def random_regrowth(active: torch.Tensor, count: int, generator: torch.Generator
 
 def gradient_regrowth(dense_grad: torch.Tensor, active: torch.Tensor, count: int) -> torch.Tensor:
     """RigL: the ``count`` positions inactive in ``active`` of largest |dL/dW| (ties: lower position first),
-    ascending. The active positions score -1, below every inactive one, so no list of the inactive ones is made:
-    no result whose size only the device knows (which would make the host wait inside the backward pass).
+    ascending. ``dense_grad`` is overwritten (with the scores). The active positions score -1, below every
+    inactive one; with v the ``count``-th largest score, every position scoring above v is taken and the lowest
+    positions scoring v fill the rest. No sort of the whole matrix (its indices alone would be 8 bytes per
+    position): beyond ``dense_grad`` this holds two booleans per position and 12 bytes per chosen one, and
+    nothing has a size only the device knows (which would make the host wait inside the backward pass).
     ``count`` must not exceed the inactive positions."""
-    scores = dense_grad.reshape(-1).abs().masked_fill_(active, -1.0)
-    return torch.argsort(scores, descending=True, stable=True)[:count].sort().values
+    scores = dense_grad.reshape(-1).abs_().masked_fill_(active, -1.0)
+    numel = scores.numel()
+    if count == 0:
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
+    threshold = torch.topk(scores, count, sorted=False).values.min()
+    above = scores > threshold
+    missing = count - above.sum()  # how many of the positions scoring v are taken
+    above = torch.nonzero_static(above, size=count, fill_value=numel).squeeze(1)
+    tied = torch.nonzero_static(scores == threshold, size=count, fill_value=numel).squeeze(1)
+    tied = torch.where(torch.arange(count, device=tied.device) < missing, tied, numel)
+    return torch.cat([above, tied]).sort().values[:count]
 
 
 def slot_sources(positions: torch.Tensor, pruned: torch.Tensor, regrown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
