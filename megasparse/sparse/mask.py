@@ -25,12 +25,12 @@ def pack(mask: torch.Tensor) -> torch.Tensor:
 
 def _bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` positions of packed bits, one uint8 (0 or 1) each."""
-    return ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).view(-1)[:numel]
+    return (packed.reshape(-1, 1) >> _shifts(packed.device)).bitwise_and_(1).view(-1)[:numel]
 
 
 def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The first ``numel`` positions of packed bits, as a flat boolean tensor."""
-    return _bits(packed, numel).bool()
+    """The first ``numel`` positions of packed bits, as a flat boolean tensor (one byte per position)."""
+    return _bits(packed, numel).view(torch.bool)  # bytes 0 and 1 are False and True: no copy
 
 
 def active_positions(packed: torch.Tensor, numel: int, count: int) -> torch.Tensor:

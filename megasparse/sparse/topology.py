@@ -85,24 +85,24 @@ def random_regrowth(active: torch.Tensor, count: int, generator: torch.Generator
 
 
 def gradient_regrowth(dense_grad: torch.Tensor, active: torch.Tensor, count: int) -> torch.Tensor:
-    """RigL: the ``count`` positions inactive in ``active`` of largest |dL/dW| (ties: lower position first),
-    ascending. ``dense_grad`` is overwritten (with the scores). The active positions score -1, below every
-    inactive one; with v the ``count``-th largest score, every position scoring above v is taken and the lowest
-    positions scoring v fill the rest. No sort of the whole matrix (its indices alone would be 8 bytes per
-    position): beyond ``dense_grad`` this holds two booleans per position and 12 bytes per chosen one, and
-    nothing has a size only the device knows (which would make the host wait inside the backward pass).
-    ``count`` must not exceed the inactive positions."""
+    """RigL: the ``count`` positions inactive in the flat boolean ``active`` of largest |dL/dW| (ties: lower
+    position first), ascending. Both tensors are overwritten: ``dense_grad`` with the scores, ``active`` with the
+    choice. The active positions score -1, below every inactive one; with v the ``count``-th largest score, the
+    positions scoring above v are taken and the lowest positions scoring v fill the rest. No sort of the whole
+    matrix (its indices alone would be 8 bytes per position): beyond the two tensors this holds one boolean per
+    position and about 24 bytes per chosen one, and nothing has a size only the device knows (which would make
+    the host wait inside the backward pass). ``count`` must not exceed the inactive positions."""
     scores = dense_grad.reshape(-1).abs_().masked_fill_(active, -1.0)
-    numel = scores.numel()
     if count == 0:
         return torch.zeros(0, dtype=torch.long, device=scores.device)
-    threshold = torch.topk(scores, count, sorted=False).values.min()
-    above = scores > threshold
-    missing = count - above.sum()  # how many of the positions scoring v are taken
-    above = torch.nonzero_static(above, size=count, fill_value=numel).squeeze(1)
-    tied = torch.nonzero_static(scores == threshold, size=count, fill_value=numel).squeeze(1)
-    tied = torch.where(torch.arange(count, device=tied.device) < missing, tied, numel)
-    return torch.cat([above, tied]).sort().values[:count]
+    threshold = torch.topk(scores, count, sorted=False).values.min()  # v >= 0: no active position reaches it
+    chosen = torch.gt(scores, threshold, out=active)
+    missing = count - chosen.sum()  # how many of the positions scoring v are taken
+    tied = torch.nonzero_static(scores == threshold, size=count).squeeze(1)
+    # the untaken ones point at the largest score, above v (and taken) whenever some tie is left out
+    tied.masked_fill_(torch.arange(count, device=tied.device) >= missing, scores.argmax())
+    chosen[tied] = True
+    return torch.nonzero_static(chosen, size=count).squeeze(1)
 
 
 def slot_sources(positions: torch.Tensor, pruned: torch.Tensor, regrown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
