@@ -97,7 +97,7 @@ def gradient_regrowth(dense_grad: torch.Tensor, active: torch.Tensor, count: int
         return torch.zeros(0, dtype=torch.long, device=scores.device)
     threshold = torch.topk(scores, count, sorted=False).values.min()  # v >= 0: no active position reaches it
     chosen = torch.gt(scores, threshold, out=active)
-    missing = count - chosen.sum()  # how many of the positions scoring v are taken
+    missing = count - torch.count_nonzero(chosen)  # how many positions scoring v are taken (a sum would copy to int64)
     tied = torch.nonzero_static(scores == threshold, size=count).squeeze(1)
     # the untaken ones point at the largest score, above v (and taken) whenever some tie is left out
     tied.masked_fill_(torch.arange(count, device=tied.device) >= missing, scores.argmax())
