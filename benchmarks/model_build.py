@@ -8,8 +8,10 @@ Each run starts N processes (gloo, CPU), builds ``--preset`` (dense AdamW and SM
 with the seed the trainer uses, and calls ``deepspeed.initialize`` as the trainer does. Three ways:
 
 - ``host``: the model built on the host in fp32, then cast and partitioned by DeepSpeed (megasparse before);
-- ``device``: built with ``built_on`` (megasparse now). On this CPU the device *is* the host, so its bf16 copy
-  is host memory here, where a GPU would hold it;
+- ``device``: built with ``built_on`` (megasparse from 1bcf91e to 2026-12-02). On this CPU the device *is* the
+  host, so its bf16 copy is host memory here, where a GPU would hold it;
+- ``device, partitioned``: built with ``built_on`` and ZeRO-3's partitioning of each module as it is built
+  (``zero3_partition``, megasparse now), so the device holds the partitions and one module whole;
 - ``device (meta)``: the build alone with the device faked by the meta device, which is what the host holds
   while building on a GPU (no ``deepspeed.initialize``: it cannot run on meta tensors).
 
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import benchmark_main, markdown_table, run_workers, write_report  # noqa: E402
 
-WAYS = ("host", "device", "device (meta)")
+WAYS = ("host", "device", "device, partitioned", "device (meta)")
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +70,8 @@ def _worker(a: dict, result: Path) -> None:
     from megasparse.config import load_config
     from megasparse.model.factory import layer_factory
     from megasparse.model.llama import Llama, num_parameters
-    from megasparse.model.placement import built_on
+    from megasparse.model.placement import built_on, zero3_partition
+    from megasparse.parallel.groups import create_groups
     from megasparse.train.deepspeed_config import deepspeed_config
     from megasparse.train.optim import build_optimizer
 
@@ -76,19 +79,23 @@ def _worker(a: dict, result: Path) -> None:
     cfg = load_config(None, [f"model.preset={a['preset']}", "training.precision=bf16", "parallel.zero_stage=3",
                              "training.micro_batch_size=1", "training.global_batch_size=2", *method])
     deepspeed.init_distributed(dist_backend="gloo")
+    parallel = create_groups(1)
+    ds_config = deepspeed_config(cfg, dist.get_world_size())
     baseline = _rss()
     torch.manual_seed(cfg.training.seed)
+    layers = layer_factory(cfg)
     if a["way"] == "host":
-        model = Llama(cfg.model, cfg.data.vocab_size, layer_factory(cfg))
+        model = Llama(cfg.model, cfg.data.vocab_size, layers)
     else:
-        with built_on("meta" if a["way"] == "device (meta)" else "cpu", torch.bfloat16):
-            model = Llama(cfg.model, cfg.data.vocab_size, layer_factory(cfg))
+        partition = zero3_partition(ds_config, parallel) if a["way"] == "device, partitioned" else None
+        with built_on("meta" if a["way"] == "device (meta)" else "cpu", torch.bfloat16, partition):
+            model = Llama(cfg.model, cfg.data.vocab_size, layers)
     built = _peak() - baseline
     parameters = num_parameters(model)
     initialised = None
     if a["way"] != "device (meta)":
-        deepspeed.initialize(model=model, optimizer=build_optimizer(cfg, model),
-                             config=deepspeed_config(cfg, dist.get_world_size()), dist_init_required=False)
+        deepspeed.initialize(model=model, optimizer=build_optimizer(cfg, model), mpu=parallel, config=ds_config,
+                             dist_init_required=False)
         initialised = _peak() - baseline
     if dist.get_rank() == 0:
         result.write_text(json.dumps({"method": a["method"], "way": a["way"], "parameters": parameters,

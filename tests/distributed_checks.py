@@ -249,9 +249,61 @@ def shared_factorisation(tp: TensorParallel) -> float:
     return max(relative(p, q) for p, q in zip(model.parameters(), build(balanced_factors).parameters()))
 
 
+def peak_allocated(run) -> int:
+    """The largest sum of the bytes allocated minus freed on the host while ``run()`` runs (torch's profiler)."""
+    import itertools
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    def events(nodes):
+        for node in nodes:
+            yield node
+            yield from events(node.children)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    allocations = sorted((e for e in events(prof.profiler.kineto_results.experimental_event_tree())
+                          if e.typed[0] == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    return max(itertools.accumulate(e.typed[1].alloc_size for e in allocations), default=0)
+
+
+def zero3_build(tp: TensorParallel) -> float:
+    """A model built with ``built_on`` and ZeRO-3's partitioning over 2 data-parallel ranks has the weights of the
+    model built whole (largest relative difference of the gathered parameters, 0 expected), while the build holds
+    its partitions and about one module at a time: its peak must stay under 0.8 of the whole model's bytes (1/2
+    for the partitions, some padding, and one of 64 modules of sparse, low-rank and dense layers with what it draws;
+    a model built whole peaks above 1), else the peak's fraction is returned."""
+    from megasparse.model.placement import built_on, zero3_partition
+
+    data_parallel = create_groups(1)  # ZeRO-3 partitions over the 2 data-parallel ranks
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        whole = TensorParallel()
+        return torch.nn.ModuleList(torch.nn.Sequential(
+            SparseLinear(64, 96, 0.5, WeightInit(0.3), whole), LowRankLinear(96, 64, 16, WeightInit(0.3), whole),
+            ColumnParallelLinear(64, 64, whole, WeightInit(0.3))) for _ in range(64))
+
+    built = []
+
+    def build_partitioned() -> None:
+        with built_on("cpu", torch.float32, zero3_partition({"train_batch_size": 2, "zero_optimization": {"stage": 3}},
+                                                            data_parallel)):
+            built.append(build())
+
+    peak = peak_allocated(build_partitioned)
+    reference = build()
+    whole_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    model, = built
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        error = max(relative(p.double(), q.double()) for p, q in zip(model.parameters(), reference.parameters()))
+    return error if peak < 0.8 * whole_bytes else peak / whole_bytes
+
+
 CHECKS = [dense_pair, lowrank_pair, sparse_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
           newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, spectron_step_unequal_partitions,
-          shared_factorisation]
+          shared_factorisation, zero3_build]
 
 
 def main() -> None:

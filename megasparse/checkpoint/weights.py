@@ -25,6 +25,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import deepspeed
 import torch
 import yaml
 from safetensors import SafetensorError, safe_open
@@ -174,4 +175,6 @@ def init_from_directory(model: nn.Module, directory: Path, cfg: Config, vocab_si
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name not in whole:
             raise UserError(f"{source} has no tensor for '{name}'")
-        tensor.copy_(local_shard(whole[name], tensor, tp).to(tensor.dtype))
+        # whole for the copy where ZeRO-3 partitioned it as it was built (a no-op otherwise)
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+            tensor.copy_(local_shard(whole[name], tensor, tp).to(tensor.dtype))

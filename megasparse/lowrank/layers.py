@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+import deepspeed
 import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,9 @@ class SharedFactorisation:
             return weight.new_zeros(weight.shape[0], rank), weight.new_zeros(rank, weight.shape[1])
         a, b = balanced_factors(weight.to(get_accelerator().current_device_name()), rank)
         self.computed[layer] = (a, b)
-        return a.to(weight.device), b.to(weight.device)
+        # copies: the layer's parameters must not share memory with what share() sends (ZeRO-3's conversion
+        # overwrites a parameter with the first rank's values as the layer is built)
+        return a.to(weight.device, copy=True), b.to(weight.device, copy=True)
 
     @torch.no_grad()
     def share(self, model: nn.Module) -> None:
@@ -78,7 +81,9 @@ class SharedFactorisation:
                                               torch.empty(rank, in_features, device=device)))
             dist.broadcast(a, src=self._owner(number))
             dist.broadcast(b, src=self._owner(number))
-            layer.load_factors(a, b)
+            # whole for the copy where ZeRO-3 partitioned them as they were built (a no-op otherwise)
+            with deepspeed.zero.GatheredParameters([layer.A, layer.B], modifier_rank=0):
+                layer.load_factors(a, b)
 
 
 class LowRankLinear(nn.Module):

@@ -8,22 +8,54 @@ So the weights are exactly those of a model
 built on the host in fp32 and then cast, while the host holds at most the tensors one layer is making
 instead of the whole fp32 model (4 bytes per parameter on every rank: 28 GB for a 7B model, times the ranks
 of a node).
+
+At ZeRO-3 (``partition``: :func:`zero3_partition`) each module's parameters are also partitioned over the
+data-parallel ranks as soon as the module is complete, that is when it is registered in its parent, exactly
+as ``deepspeed.initialize`` would partition them later (DeepSpeed's own conversion, ``zero.Init(module=...)``,
+with the engine's arguments). So the device holds the partitions built so far and one module whole, not the
+whole model (2 bytes per parameter in bf16 on every rank until ``deepspeed.initialize``). ``zero.Init`` as a
+context is not used: its patched tensor constructors draw on the device in the training precision, which would
+change the initial weights.
 """
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (register_module_buffer_registration_hook, register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # training.precision's tensor types
 
 
+def zero3_partition(ds_config: dict[str, Any], mpu) -> Callable[[nn.Module], None]:
+    """Partitions a module's parameters (those not partitioned yet) over ``mpu``'s data-parallel group as
+    ``deepspeed.initialize(config=ds_config, mpu=mpu)`` does at ZeRO-3."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    def partition(module: nn.Module) -> None:
+        whole = [p for p in module.parameters() if not is_zero_param(p) and not p.is_meta]  # meta: a placeholder
+        if not whole:
+            return
+        partitioned = next((p for p in module.parameters() if is_zero_param(p)), None)
+        if partitioned is not None:  # with the settings of a partitioned parameter, as the engine does
+            partitioned.convert_to_zero_parameters(param_list=whole)
+        else:
+            deepspeed.zero.Init(module=module, data_parallel_group=mpu.get_data_parallel_group(),
+                                config_dict_or_path=ds_config, mpu=mpu)
+
+    return partition
+
+
 @contextlib.contextmanager
-def built_on(device: torch.device | str, dtype: torch.dtype):
+def built_on(device: torch.device | str, dtype: torch.dtype, partition: Callable[[nn.Module], None] | None = None):
     """Modules built inside this block register their parameters on ``device`` (floating-point ones in ``dtype``)
-    and their buffers on ``device``."""
+    and their buffers on ``device``; with ``partition``, each module is handed to it when it is registered in its
+    parent (the outermost module's own parameters, if any, are left to ``deepspeed.initialize``)."""
     device = torch.device(device)
 
     def place_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
@@ -39,8 +71,14 @@ def built_on(device: torch.device | str, dtype: torch.dtype):
     def place_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> torch.Tensor | None:
         return None if buffer is None or buffer.is_meta or buffer.device == device else buffer.to(device)
 
+    def partition_child(module: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is not None:
+            partition(child)
+
     handles = [register_module_parameter_registration_hook(place_parameter),
                register_module_buffer_registration_hook(place_buffer)]
+    if partition is not None:
+        handles.append(register_module_module_registration_hook(partition_child))
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from megasparse.config import Config
+from megasparse.optim.partitions import full_shape
 
 
 def parameter_groups(model: nn.Module, cfg: Config) -> list[dict]:
@@ -39,6 +40,7 @@ def parameter_groups(model: nn.Module, cfg: Config) -> list[dict]:
     groups = [{"params": group, "sparse": True, "density": d, "lr": base if every else lr * d**-power,
                "weight_decay": wd} for d, group in sorted(sparse.items())]
     groups += [{"params": factors, "spectron": True, "lr": cfg.spectron.lr, "weight_decay": wd}]
-    groups += [{"params": [p for p in rest if p.ndim >= 2], "lr": base, "weight_decay": wd},
-               {"params": [p for p in rest if p.ndim < 2], "lr": base, "weight_decay": 0.0}]
+    matrices = [p for p in rest if len(full_shape(p)) >= 2]  # shaped as built, also where ZeRO-3 partitioned it
+    groups += [{"params": matrices, "lr": base, "weight_decay": wd},
+               {"params": [p for p in rest if len(full_shape(p)) < 2], "lr": base, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

@@ -41,7 +41,7 @@ from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
 from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
-from megasparse.model.placement import DTYPES, built_on
+from megasparse.model.placement import DTYPES, built_on, zero3_partition
 from megasparse.optim.partitions import optimizer_fragments
 from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
@@ -171,11 +171,15 @@ class Trainer:
                                       parallel.tensor_parallel_rank)
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
 
+        self.ds_config = deepspeed_config(cfg, self.dp_size)
         torch.manual_seed(t.seed)
         factorise = SharedFactorisation()
-        # onto the device in the training precision as it is built: the host never holds the whole fp32 model
-        with built_on(get_accelerator().current_device_name(), DTYPES[t.precision]):
-            model = Llama(cfg.model, self.data.vocab_size, layer_factory(cfg, tp, factorise))
+        # onto the device in the training precision as it is built: the host never holds the whole fp32 model,
+        # and at ZeRO-3 the device holds its partitions and one module whole
+        partition = zero3_partition(self.ds_config, parallel) if cfg.parallel.zero_stage == 3 else None
+        layers = layer_factory(cfg, tp, factorise)
+        with built_on(get_accelerator().current_device_name(), DTYPES[t.precision], partition):
+            model = Llama(cfg.model, self.data.vocab_size, layers)
         factorise.share(model)
         if cfg.checkpoint.init_from and not self.resume_from:
             init_from_directory(model, Path(cfg.checkpoint.init_from), cfg, self.data.vocab_size,
@@ -187,7 +191,6 @@ class Trainer:
         self.num_parameters = num_parameters(model)
         self.flops_per_token = flops_per_token(cfg, self.data.vocab_size)
         self.peak_tflops = device_peak_tflops(t.peak_tflops)
-        self.ds_config = deepspeed_config(cfg, self.dp_size)
         schedule = LearningRateSchedule(cfg.optimizer, t.steps)
         self.optimizer = build_optimizer(cfg, model)
         poison_gradient(model, lambda: self.step + 1)  # before the decision's hooks, which must see it
