@@ -5,11 +5,16 @@
     python benchmarks/rigl_memory.py --compile --out benchmarks/results/rigl_memory_compiled.json
     python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory_mask.json
     python benchmarks/rigl_memory.py --regrow random --accumulation 1 --out benchmarks/results/rigl_memory_set.json
+    python benchmarks/rigl_memory.py --out benchmarks/results/rigl_memory_choice.json
+    python benchmarks/rigl_memory.py --regrow-gradient last_micro_batch --accumulation 2 \
+        --out benchmarks/results/rigl_memory_last.json
+    python benchmarks/rigl_memory.py --accumulation 1 --precision bf16 --zero-stages 2 3 --ranks 2 \
+        --out benchmarks/results/rigl_memory_bf16.json
 
 A sparse layer stores only its active weights, but RigL's regrowth (``sparse.regrow: gradient``) ranks the
 inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm
 trains SMET with RigL (density ``--density``, an update after every second step) on one rank, fp32,
-ZeRO-0 (or with ``--regrow``, ``--precision``, ``--zero-stages`` and ``--ranks``: another regrowth, precision,
+ZeRO-0 (or with ``--regrow``, ``--regrow-gradient``, ``--precision``, ``--zero-stages`` and ``--ranks``: another regrowth, precision,
 ZeRO stage and number of ranks, rank 0's peaks shown), ``--micro-batch`` sequences per micro-batch and ``--accumulation``
 micro-batches per step (with ``--compile``, compiled blocks, whose update steps run eagerly), in a process of
 its own: step 1 warms up
@@ -42,6 +47,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
     parser.add_argument("--compile", action="store_true", help="compiled blocks (the update step then runs eagerly)")
     parser.add_argument("--regrow", choices=["gradient", "random"], default="gradient")
+    parser.add_argument("--regrow-gradient", choices=["step", "last_micro_batch"], default="step")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--zero-stages", nargs="+", type=int, default=[0])
     parser.add_argument("--ranks", type=int, default=1)
@@ -51,6 +57,7 @@ def _run(args: argparse.Namespace) -> None:
     runs = [run_workers(__file__, args.ranks, {
         "preset": preset, "accumulation": accumulation, "density": args.density, "seq_len": args.seq_len,
         "micro_batch": args.micro_batch, "data": args.data, "compile": args.compile, "regrow": args.regrow,
+        "regrow_gradient": args.regrow_gradient,
         "precision": args.precision, "zero_stage": stage, "ranks": args.ranks})
         for preset in args.presets for stage in args.zero_stages for accumulation in args.accumulation]
     print(table(runs))
@@ -61,7 +68,8 @@ def table(runs: list[dict]) -> str:
     mb = 2**20
 
     def layout(r: dict) -> str:  # results from before the layout options: RigL, fp32, ZeRO-0, one rank
-        return (f"{'RigL' if r.get('regrow', 'gradient') == 'gradient' else 'SET'}, {r.get('precision', 'fp32')}, "
+        rigl = "RigL" + (", last micro-batch" if r.get("regrow_gradient") == "last_micro_batch" else "")
+        return (f"{rigl if r.get('regrow', 'gradient') == 'gradient' else 'SET'}, {r.get('precision', 'fp32')}, "
                 f"ZeRO-{r.get('zero_stage', 0)}, {r.get('ranks', 1)} rank(s)")
 
     return markdown_table(
@@ -108,6 +116,7 @@ def _worker(a: dict, result: Path) -> None:
                                     a["micro_batch"] * a["accumulation"] * a["ranks"], result.parent / "run")
     trainer = start_trainer(overrides + ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
                                          f"sparse.regrow={a['regrow']}", "sparse.update_interval=2",
+                                         f"sparse.regrow_gradient={a.get('regrow_gradient', 'step')}",
                                          f"training.precision={a['precision']}", f"parallel.zero_stage={a['zero_stage']}",
                                          f"training.compile={str(a['compile']).lower()}"])
     trainer.metrics.close = lambda: None  # the run goes on, a step at a time: its metrics file stays open
@@ -121,7 +130,7 @@ def _worker(a: dict, result: Path) -> None:
     dense = [layer.in_features * layer.out_features * 4 for layer in layers]
     if dist.get_rank() != 0:
         return
-    layout = {key: a[key] for key in ("regrow", "precision", "zero_stage", "ranks")}
+    layout = {key: a[key] for key in ("regrow", "regrow_gradient", "precision", "zero_stage", "ranks")}
     result.write_text(json.dumps({"preset": a["preset"], "accumulation": a["accumulation"], **layout,
                                   "ordinary_peak": ordinary_peak, "update_peak": update_peak,
                                   "all_dense_fp32": sum(dense), "largest_dense_fp32": max(dense),

@@ -188,6 +188,10 @@ class SparseConfig:
     prune_fraction_min: float = number(0.005, ge=0, le="sparse.prune_fraction")  # zeta_min: at the end of the decay
     stop_step: int = number(0, ge=0)  # last step with topology updates (the decay ends there); 0: training.steps
     regrow: Literal["random", "gradient"] = "random"  # SET (random) or RigL (largest gradient magnitude)
+    # RigL's |dL/dW|: of the update step's whole batch (step: RigL's definition; with several micro-batches every
+    # sparse layer's fp32 sum lives from its first micro-batch's backward to its last), or of its last micro-batch
+    # only, summed over the data-parallel ranks (last_micro_batch: one layer's at a time)
+    regrow_gradient: Literal["step", "last_micro_batch"] = "step"
 
 
 @section

@@ -28,8 +28,10 @@ run (the tests hold the two within 5%). Within a step come:
   about 3 out in bytes, and its positions, 8 nnz); a topology update (per layer: its values, an fp32 state
   buffer and the int64 positions, sources and kept slots, (28 + b) nnz, and its unpacked mask, 3 out in),
   with SET's list of free positions and its draw, 16 (out in - nnz), or RigL's choice, the fp32 sum of the
-  layer's dense gradient, |dL/dW| and its argsort, 20 out in (with several micro-batches per step every
-  sparse layer's fp32 sum, 4 out in / T each, lives from its first micro-batch's backward to its last);
+  layer's dense gradient (its scores), the unpacked mask (its choice) and a comparison, 6 out in, and 24 bytes
+  per chosen position, at most zeta_0 nnz (with several micro-batches per step and ``sparse.regrow_gradient:
+  step`` every sparse layer's fp32 sum, 4 out in / T each, lives from its first micro-batch's backward to its
+  last);
   or SMET's step pieces (16 bytes per slot of a sixth of the largest partition).
 
 Not counted: DeepSpeed's communication buckets (``reduce_bucket_size``, ``allgather_bucket_size``,
@@ -159,8 +161,8 @@ def _largest_transient(model: Llama, cfg: Config, b: int, d: int) -> float:
     passes = max(2 * layer.shard_shape[0] * layer.shard_shape[1] * b + 3 * numel(layer) + 8 * layer.nnz
                  for layer in sparse)
     if cfg.sparse.regrow == "gradient":
-        choice = max(20 * numel(layer) for layer in sparse)
-        if cfg.gradient_accumulation_steps(d) > 1:
+        choice = max(6 * numel(layer) + 24 * cfg.sparse.prune_fraction * layer.nnz for layer in sparse)
+        if cfg.gradient_accumulation_steps(d) > 1 and cfg.sparse.regrow_gradient == "step":
             choice += sum(4 * layer.shard_shape[0] * layer.shard_shape[1] for layer in sparse)
     else:
         choice = max(16 * (numel(layer) - layer.nnz) for layer in sparse)

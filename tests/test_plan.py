@@ -74,17 +74,19 @@ def test_plan_refuses_in_one_line(args, expected):
     one_error_line(megasparse_here("plan", "smet-paper-llama-130m", *args), expected)
 
 
-def test_rigl_with_several_micro_batches_plans_every_layers_dense_gradient_sum():
+def test_rigl_with_several_micro_batches_plans_every_layers_dense_gradient_sum_unless_it_takes_the_last():
     """RigL keeps each sparse layer's fp32 dL/dW sum from its first micro-batch's backward to its last: with two
     micro-batches per step the transient grows by 4 bytes per position of every sparse W."""
-    def transient(regrow: str, micro_batch: int) -> float:
+    def transient(regrow: str, micro_batch: int, gradient: str = "step") -> float:
         cfg = load_config("smet-paper-llama-130m", [f"sparse.regrow={regrow}", f"training.micro_batch_size={micro_batch}",
-                                                    "training.global_batch_size=16"])
+                                                    "training.global_batch_size=16", f"sparse.regrow_gradient={gradient}"])
         return plan(cfg, 8).model["transient"]
 
     positions = 12 * (4 * 768 * 768 + 3 * 768 * 2048)  # llama-130m's projections
     assert transient("gradient", 1) - transient("gradient", 2) == 4 * positions
     assert transient("random", 1) == transient("random", 2) < transient("gradient", 2)
+    # the last micro-batch's gradient alone: one layer's at a time, as with one micro-batch per step
+    assert transient("gradient", 1, "last_micro_batch") == transient("gradient", 2)
 
 
 def test_zero3_keeps_a_sparse_projection_gathered_when_its_dense_weight_would_be():

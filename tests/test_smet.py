@@ -16,7 +16,7 @@ from megasparse.sparse.density import layer_densities
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.mask import active_positions, mask_checksum, pack, unpack
 from megasparse.sparse.optimizer import MATURE
-from megasparse.sparse.topology import (TopologyUpdater, gradient_regrowth, prune_fraction, pruned_slots,
+from megasparse.sparse.topology import (GradientRegrowth, TopologyUpdater, gradient_regrowth, prune_fraction, pruned_slots,
                                         random_regrowth, regrowth_count, slot_sources)
 from megasparse.train.optim import build_optimizer
 
@@ -283,6 +283,22 @@ def test_regrowth_by_gradient_equals_a_stable_sort_of_the_scores_with_ties():
         scores = grad.abs().masked_fill(active, -1.0)
         expected = torch.argsort(scores, descending=True, stable=True)[:count].sort().values
         assert torch.equal(gradient_regrowth(grad.clone(), active, count), expected), (grad, active, count)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_regrowth_by_gradient_of_the_step_or_of_its_last_micro_batch(last_only):
+    """RigL's choice at an update step of two micro-batches: from the sum of both dense gradients
+    (``sparse.regrow_gradient: step``), or from the last one's alone (``last_micro_batch``), holding nothing
+    of the first."""
+    layer = SparseLinear(6, 4, 0.5, WeightInit(0.3))
+    first, last = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 6)
+    regrowth = GradientRegrowth(layer, 5, micro_batches=2, dp_group=None, last_only=last_only)
+    regrowth(first.clone())
+    assert (regrowth.total is None) == last_only
+    regrowth(last.clone())
+    active = unpack(layer.mask, 24).clone()
+    expected = gradient_regrowth(last.clone() if last_only else first + last, active, 5)
+    assert torch.equal(regrowth.positions, expected)
 
 
 def test_random_regrowth_is_seeded():

@@ -130,11 +130,14 @@ class GradientRegrowth:
     optimizer step (the positions inactive before the update, the gradient), so it is the choice the update
     would take after the step, while a dense gradient lives only as long as its layer needs it: with one
     micro-batch per step one layer's at a time (an fp32 copy only of a bf16 dL/dW), with several each layer's
-    fp32 sum from its first micro-batch's backward to its last one's (every layer's at once in between).
+    fp32 sum from its first micro-batch's backward to its last one's (every layer's at once in between). With
+    ``last_only`` (``sparse.regrow_gradient: last_micro_batch``) only the last micro-batch's dL/dW is taken,
+    one layer's at a time whatever the accumulation, at the price of a choice from 1/M of the step's batch.
     """
 
-    def __init__(self, layer: SparseLinear, count: int, micro_batches: int, dp_group) -> None:
+    def __init__(self, layer: SparseLinear, count: int, micro_batches: int, dp_group, last_only: bool = False) -> None:
         self.layer, self.count, self.micro_batches, self.dp_group = layer, count, micro_batches, dp_group
+        self.last_only = last_only  # sparse.regrow_gradient: last_micro_batch
         self.seen = 0
         self.total: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -143,9 +146,11 @@ class GradientRegrowth:
         if self.seen == self.micro_batches:
             raise RuntimeError(f"RigL: a sparse layer's backward ran more than the step's {self.micro_batches} "
                                "micro-batch(es) inside one TopologyUpdater.around_step")
+        self.seen += 1
+        if self.last_only and self.seen < self.micro_batches:
+            return
         # grad_weight is the backward's own product, used by nothing after this: summed into in place
         self.total = grad_weight.float() if self.total is None else self.total.add_(grad_weight)
-        self.seen += 1
         if self.seen < self.micro_batches:
             return
         total, self.total = self.total, None
@@ -186,7 +191,8 @@ class TopologyUpdater:
             yield
             return
         zeta = prune_fraction(self.cfg, step, self.total_steps)
-        self.regrowth = [GradientRegrowth(layer, regrowth_count(layer, zeta), micro_batches, self.dp_group)
+        last_only = self.cfg.regrow_gradient == "last_micro_batch"
+        self.regrowth = [GradientRegrowth(layer, regrowth_count(layer, zeta), micro_batches, self.dp_group, last_only)
                          for layer in self.layers]
         for layer, regrowth in zip(self.layers, self.regrowth):
             layer.dense_grad_hook = regrowth
