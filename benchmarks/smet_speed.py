@@ -2,8 +2,11 @@
 
     python benchmarks/smet_speed.py --preset llama-60m --density 0.25 --repeats 3 \
         --out benchmarks/results/smet_speed.json
+    PYTHONPATH=<a checkout of c248d0c> python benchmarks/smet_speed.py --precision bf16 --data data/stdlib \
+        --out benchmarks/results/smet_speed_index_bf16.json
+    python benchmarks/smet_speed.py --precision bf16 --data data/stdlib --out benchmarks/results/smet_speed_mask_bf16.json
 
-The same model, layout (2 ranks, ZeRO-2, fp32) and batches run dense AdamW and SMET in
+The same model, layout (2 ranks, ZeRO-2, fp32 or ``--precision bf16``) and batches run dense AdamW and SMET in
 alternation, ``--repeats`` times each, so machine drift hits both alike. Step time is the
 median over the steps after warm-up, excluding steps that end with a topology update; the
 ratio is SMET / dense per repeat pair, and the median of those is reported. The updates (every
@@ -35,10 +38,12 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure-interval", type=int, default=3, help="Delta T of the timed runs")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--data", default=str(REPO / "data" / "stdlib"))
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
 
 
 def _run(args: argparse.Namespace) -> None:
-    common = {k: getattr(args, k) for k in ("preset", "steps", "warmup", "measure_interval", "seq_len", "data")}
+    common = {k: getattr(args, k) for k in ("preset", "steps", "warmup", "measure_interval", "seq_len", "data",
+                                            "precision")}
     pairs = [(run_workers(__file__, 2, {**common, "density": None}),
               run_workers(__file__, 2, {**common, "density": args.density})) for _ in range(args.repeats)]
     ratios = [smet["step_time_s"] / dense["step_time_s"] for dense, smet in pairs]
@@ -53,8 +58,7 @@ def _run(args: argparse.Namespace) -> None:
         "update_share_at_interval_100": round(update_s / (DEFAULT_INTERVAL * smet_step), 5),
     }
     print(table(summary, args.density))
-    write_report(args.out, {"settings": {**common, "density": args.density, "ranks": 2, "zero_stage": 2,
-                                         "precision": "fp32"},
+    write_report(args.out, {"settings": {**common, "density": args.density, "ranks": 2, "zero_stage": 2},
                             "summary": summary, "runs": [r for pair in pairs for r in pair]})
 
 
@@ -79,7 +83,7 @@ def _worker(a: dict, result: Path) -> None:
                f"sparse.update_interval={a['measure_interval']}"] if sparse else [])
     output_dir = result.parent / "run"
     trainer = start_trainer(short_run_overrides(a["preset"], a["data"], a["seq_len"], a["steps"], 4, 8, output_dir)
-                            + ["training.precision=fp32", "parallel.zero_stage=2", *method])
+                            + [f"training.precision={a.get('precision', 'fp32')}", "parallel.zero_stage=2", *method])
     update_times: list[float] = []
     if sparse:
         update = trainer.topology.update
