@@ -171,6 +171,20 @@ def _largest_transient(model: Llama, cfg: Config, b: int, d: int) -> float:
     return float(max(passes, update, step))
 
 
+def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: Plan) -> str:
+    """What the whole masks cost at ZeRO-1/2, and the projections' ratio if ZeRO-3 partitioned them."""
+    def projections(p: Plan) -> float:
+        return sum(p.projections[k] for k in KINDS)
+
+    staged = copy.deepcopy(cfg)
+    staged.parallel.zero_stage = 3
+    zero3 = projections(plan(staged, gpus, vocab_size)) / projections(plan(dense_counterpart(staged), gpus, vocab_size))
+    limit = "d + 1/16" if cfg.training.precision == "bf16" else "d + 1/32"
+    return (f"masks: whole on every rank at ZeRO-{cfg.parallel.zero_stage} (1/8 byte per weight of W, "
+            f"{ours.model['masks'] / GB:.3f} GB), so the projections' ratio tends to {limit} as ranks are added: "
+            f"{projections(ours) / projections(dense):.3f} here; ZeRO-3 partitions them with the values: {zero3:.3f}")
+
+
 def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     """The plan of ``cfg`` and of its dense AdamW counterpart as a table, and whether each fits."""
     vocab_size, source = vocabulary(cfg)
@@ -195,6 +209,8 @@ def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     for kind in STEP_KINDS:
         lines.append(row(kind, ours.model[kind], dense.model[kind]))
     lines.append(row("total", ours.total, dense.total))
+    if cfg.model.layer == "sparse" and cfg.parallel.zero_stage in (1, 2) and gpus // t > 1:
+        lines.append(_masks_at_zero3(cfg, gpus, vocab_size, ours, dense))
     if gpu_memory_gb:
         verdict = {True: "fits", False: "does not fit"}
         lines.append(f"on {gpu_memory_gb:g} GB per GPU: {label} {verdict[ours.total <= gpu_memory_gb * GB]}, "

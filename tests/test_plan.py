@@ -6,7 +6,7 @@ import pytest
 from helpers import megasparse_here, one_error_line
 
 from megasparse.config import load_config
-from megasparse.plan import dense_counterpart, plan
+from megasparse.plan import dense_counterpart, plan, report
 from megasparse.train.memory import KINDS
 from megasparse.train.metrics import read_metrics
 
@@ -101,3 +101,16 @@ def test_zero3_keeps_a_sparse_projection_gathered_when_its_dense_weight_would_be
     assert threshold("model.layer=dense", "optimizer.name=adamw") == 100_000
     assert threshold("deepspeed.zero_optimization.stage3_param_persistence_threshold=7") == 7
     assert threshold("parallel.zero_stage=2") is None
+
+
+def test_the_report_says_what_zero3_would_make_of_the_whole_masks():
+    """At ZeRO-1/2 every rank holds SMET's masks whole, which bounds the projections' ratio at d + 1/16 in bf16; the
+    report says so, with the ratio ZeRO-3 (which partitions them) would give, lower on 64 ranks at d = 0.1."""
+    cfg = load_config("smet-paper-llama-130m", ["sparse.density=0.1", "training.global_batch_size=1024",
+                                                "training.micro_batch_size=16"])
+    line = report(cfg, 64, None).splitlines()[-1]
+    here, zero3 = (float(part.split(": ")[-1].split(" ")[0]) for part in line.split(";"))
+    assert line.startswith("masks: whole on every rank at ZeRO-2") and "d + 1/16" in line
+    assert 0.1 < zero3 < 0.1 * 1.15 + 0.04 < here < 0.1 + 1 / 16
+    cfg.parallel.zero_stage = 3
+    assert not report(cfg, 64, None).splitlines()[-1].startswith("masks:")
