@@ -141,3 +141,49 @@ def test_the_hang_diagnosis_ends_before_the_collective_timeout():
     with pytest.raises(UserError, match=r"parallel.timeout_minutes: 0.1 \(6 s\) leaves no time .* must exceed "
                                          r"5 x parallel.heartbeat_seconds = 10 s"):
         stall_timeout(6.0, 2.0)
+
+
+DEVICE_PROBE = """
+import json, os, sys
+import deepspeed, torch
+from deepspeed.accelerator import get_accelerator
+from megasparse.parallel.distributed import init_distributed, shutdown_distributed
+from megasparse.parallel.launch_env import discover_launch_env
+launch = discover_launch_env()
+init_distributed(launch, 1.0)
+model = torch.nn.Linear(2, 2)
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                  config={"train_batch_size": 2}, dist_init_required=False)
+print(json.dumps({"place": launch.local_rank, "LOCAL_RANK": os.environ["LOCAL_RANK"], "engine": engine.local_rank,
+                  "accelerator": int(get_accelerator().current_device())}))
+shutdown_distributed()
+"""
+
+
+@pytest.mark.parametrize("visible,devices", [(1, [0, 0]), (2, [0, 1])])
+def test_deepspeed_drives_the_device_megasparse_chose(visible, devices):
+    """Two srun tasks on one node, each seeing ``visible`` devices (the CPU accelerator counts LOCAL_SIZE's): with one
+    each (``--gpus-per-task=1``, ``--gpu-bind``) both drive their device 0, and DeepSpeed's engine and accelerator
+    read the same index from LOCAL_RANK (a local rank of 1 there is the "device_id out of range" crash on CUDA);
+    with the node's devices visible to every task, each drives its place's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from megasparse.parallel.launch_env import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", DEVICE_PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**{k: v for k, v in os.environ.items() if k not in TORCHRUN},
+                                              "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
+                                              "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+                                              "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                              "LOCAL_SIZE": str(visible)})
+             for task in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:] + outputs[0][1][-3000:]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert [r["place"] for r in reports] == [0, 1]
+    for report, device in zip(reports, devices):
+        assert (int(report["LOCAL_RANK"]), report["engine"], report["accelerator"]) == (device, device, device)

@@ -18,12 +18,13 @@ T = TypeVar("T")
 
 
 def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
-    """Join the process group on the accelerator's backend (NCCL on CUDA, gloo on CPU)."""
-    launch.export()
+    """Join the process group on the accelerator's backend (NCCL on CUDA, gloo on CPU), on the device
+    :func:`device_index` chooses, which is exported as ``LOCAL_RANK`` so that DeepSpeed drives the same one."""
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1; other launchers leave every rank all cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     accelerator = get_accelerator()
     index = device_index(launch.local_rank, launch.local_world_size, accelerator.device_count())
+    launch.export(device=index)
     if index is not None:
         accelerator.set_device(index)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,

@@ -57,11 +57,19 @@ class LaunchEnv:
     master_addr: str
     master_port: int
 
-    def export(self) -> None:
-        """Set the torch.distributed variables, so ``env://`` rendezvous finds them."""
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+    def export(self, device: int | None = None) -> None:
+        """Set the torch.distributed variables, so ``env://`` rendezvous finds them. ``LOCAL_RANK`` is the index of
+        the ``device`` this rank drives when it drives one: DeepSpeed reads ``LOCAL_RANK`` as that index
+        (``init_process_group``'s ``device_id``, the engine's ``set_device``, ``zero.Init``'s device), so where the
+        devices are bound per task (each rank sees only its own) it must name the rank's device, not its place
+        on the host. DeepSpeed's engine also requires OpenMPI's local rank to equal ``LOCAL_RANK``, so it is set
+        alike under OpenMPI. Everything else of megasparse reads the place from this object."""
+        local = str(self.local_rank if device is None else device)
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=local,
                           LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=self.master_addr,
                           MASTER_PORT=str(self.master_port))
+        if self.launcher == "openmpi":
+            os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = local
 
 
 def discover_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
