@@ -71,6 +71,8 @@ def _worker(a: dict, result: Path) -> None:
     from megasparse.model.factory import layer_factory
     from megasparse.model.llama import Llama, num_parameters
     from megasparse.model.placement import built_on, zero3_partition
+    from datetime import timedelta
+
     from megasparse.parallel.groups import create_groups
     from megasparse.train.deepspeed_config import deepspeed_config
     from megasparse.train.optim import build_optimizer
@@ -79,7 +81,7 @@ def _worker(a: dict, result: Path) -> None:
     cfg = load_config(None, [f"model.preset={a['preset']}", "training.precision=bf16", "parallel.zero_stage=3",
                              "training.micro_batch_size=1", "training.global_batch_size=2", *method])
     deepspeed.init_distributed(dist_backend="gloo")
-    parallel = create_groups(1)
+    parallel = create_groups(1, timedelta(minutes=30))
     ds_config = deepspeed_config(cfg, dist.get_world_size())
     baseline = _rss()
     torch.manual_seed(cfg.training.seed)

@@ -55,6 +55,8 @@ def _worker(a: dict, result: Path) -> None:
 
 
 def _layer_traffic(a: dict) -> list[dict]:
+    from datetime import timedelta
+
     import deepspeed.comm as dist
     import torch
 
@@ -69,7 +71,7 @@ def _layer_traffic(a: dict) -> list[dict]:
     from megasparse.parallel.mappings import TensorParallel
 
     init_distributed(discover_launch_env(), 30.0)
-    state = create_groups(2)
+    state = create_groups(2, timedelta(minutes=30))
     tp = TensorParallel(state.tensor_parallel_group, 2, state.tensor_parallel_rank)
     shapes, _ = projection_shapes(load_config(None, [f"model.preset={a['preset']}"]).model)
     rows, counter = [], Collectives()

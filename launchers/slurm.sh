@@ -3,7 +3,7 @@
 # SIGUSR1 warning before the time limit -> checkpoint, requeue, resume (see README, "Running on a cluster").
 #   launchers/slurm.sh CONFIG NODES PROCS_PER_NODE [megasparse launch slurm options...]
 #   launchers/slurm.sh spectron-llama-130m 4 8 --gpus-per-node 8 --cpus-per-task 8 \
-#       --time 2-00:00:00 --partition gpu --account myproject
+#       --time 2-00:00:00 --partition gpu --account myproject --set data.path=data/mycorpus
 # Add --dry-run to print the sbatch script instead of submitting it.
 set -euo pipefail
 if [ $# -lt 3 ]; then

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,8 +147,17 @@ def test_the_documents_show_commands_of_every_kind():
     assert any(shown.words[0].startswith("launchers/") for shown, _ in CHECKED)
 
 
+def _datasets(words: tuple[str, ...], dataset: Path, tmp_path: Path) -> None:
+    """The prepared datasets a command names (``data.path=PATH``), made from the tests' small one, where the
+    command runs: the cluster commands name the user's corpus, as a run on a cluster must."""
+    for word in words:
+        if word.startswith("data.path="):
+            shutil.copytree(dataset, tmp_path / word.removeprefix("data.path="))
+
+
 @pytest.mark.parametrize("shown,command", CHECKED, ids=[str(s.where) for s, _ in CHECKED])
-def test_a_shown_command_is_accepted(shown, command, tmp_path):
+def test_a_shown_command_is_accepted(shown, command, tmp_path, dataset):
+    _datasets(shown.words, dataset, tmp_path)
     env = {"SLURM_JOB_ID": None, "SLURM_JOB_NUM_NODES": None, "SLURM_NTASKS_PER_NODE": None,
            "SLURM_JOB_NODELIST": None, **(_allocation(shown.words, tmp_path) if shown.words[0] == "salloc" else {})}
     if command[0].startswith("launchers/"):

@@ -140,3 +140,31 @@ def test_samples_need_room_in_the_sequence():
         config_from_dict({"logging": {"sample_interval": 10, "sample_tokens": 256},
                           "data": {"seq_len": 256}}).validate()
     config_from_dict({"logging": {"sample_tokens": 256}, "data": {"seq_len": 256}}).validate()  # no samples: fine
+
+
+def test_sampling_runs_in_deterministic_mode_without_a_floating_point_cumsum():
+    """``training.deterministic`` with samples in the log: torch refuses a kernel without a deterministic version
+    where it flags one. On this CPU it flags none that sampling uses; on CUDA it flags a floating-point cumsum
+    (which the nucleus used to take), so the ops are recorded and none may be one; and the draw repeats."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.cumsums = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket == torch.ops.aten.cumsum:
+                self.cumsums.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        with Ops() as ops:
+            tokens = [Sampling(top_p=0.9).next_tokens(logits, torch.Generator().manual_seed(1)) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert ops.cumsums and not any(dtype.is_floating_point for dtype in ops.cumsums)
+    assert torch.equal(*tokens)

@@ -187,3 +187,14 @@ def test_deepspeed_drives_the_device_megasparse_chose(visible, devices):
     assert [r["place"] for r in reports] == [0, 1]
     for report, device in zip(reports, devices):
         assert (int(report["LOCAL_RANK"]), report["engine"], report["accelerator"]) == (device, device, device)
+
+
+def test_under_nccl_the_flight_recorder_writes_each_ranks_collectives_on_a_timeout(tmp_path):
+    """NCCL's flight recorder set to dump every rank's last collectives into the run's directory when one times out
+    (what names a rank hung in a kernel, whose heartbeat still beats); nothing under gloo."""
+    from megasparse.parallel.distributed import flight_recorder_environment
+
+    env = flight_recorder_environment("nccl", tmp_path)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/nccl_trace_rank_"
+    assert flight_recorder_environment("gloo", tmp_path) == {} == flight_recorder_environment("nccl", None)

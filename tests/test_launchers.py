@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -95,6 +96,36 @@ def test_slurm_dry_run_renders_and_writes_nothing(dataset, tmp_path):
         assert line in script, line
     assert "{{" not in script
     assert not (tmp_path / "out").exists()
+
+
+CLUSTER_LAUNCHES = [
+    ["slurm", "llama-60m", "--nodes", "1", "--procs-per-node", "2"],
+    ["local", "llama-60m", "--nproc", "1", "--nnodes", "2", "--master-port", "29500"],
+    ["deepspeed", "llama-60m", "--hosts", "node0:1,node1:1"],
+    ["mpi", "llama-60m", "-n", "2", "--hosts", "node0:1,node1:1"],
+]
+
+
+@pytest.mark.parametrize("args", CLUSTER_LAUNCHES, ids=[a[0] for a in CLUSTER_LAUNCHES])
+def test_a_cluster_launch_refuses_the_embedded_corpus(dataset, tmp_path, args):
+    """A shipped config left on the embedded corpus (data/stdlib, not prepared here) is refused on a cluster in
+    one line, and so is a dataset prepared from it; a prepared corpus of one's own, or the flag, is accepted."""
+    def launch(*more: str):
+        return megasparse("launch", *args, *more, "--dry-run", launcher="none", cwd=tmp_path)
+
+    refused = launch()
+    assert refused.returncode == 2 and len(refused.error_lines()) == 1, refused.stderr
+    assert "embedded corpus" in refused.error_lines()[0] and "--allow-embedded-corpus" in refused.error_lines()[0]
+    launch("--allow-embedded-corpus").check()
+    shutil.copytree(dataset, tmp_path / "data" / "mine")
+    launch("--set", "data.path=data/mine").check()
+    index = tmp_path / "data" / "mine" / "index.json"  # the same shards, as if prepared from the embedded corpus
+    index.write_text(json.dumps({**json.loads(index.read_text()), "sources": ["embedded:python-stdlib:/x"]}))
+    assert launch("--set", "data.path=data/mine").returncode == 2
+
+
+def test_a_launch_on_one_node_may_train_on_the_embedded_corpus(tmp_path):
+    megasparse("launch", "local", "llama-60m", "--nproc", "2", "--dry-run", launcher="none", cwd=tmp_path).check()
 
 
 def test_slurm_launch_refuses_a_run_with_checkpoints_unless_resumed(runs, dataset, tmp_path):

@@ -47,6 +47,19 @@ def test_reference_loss_curve(runs):
     assert losses == pytest.approx(REFERENCE_LOSSES, rel=1e-4), f"loss curve moved: {losses}"
 
 
+def test_the_log_counts_epochs(dataset, tmp_path):
+    """Each train record says how many times the run has read the training split, and the start of the log how
+    many epochs the whole run reads."""
+    from megasparse.data.shards import open_prepared
+
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out"))))
+    records = read_metrics(tmp_path / "out")
+    sequences = len(open_prepared(dataset).split("train", 32))
+    assert [r["epoch"] for r in records] == pytest.approx([r["step"] * 8 / sequences for r in records])
+    assert f"data: {sequences:,} training sequences of 32 tokens; 8 steps of 8 read {64 / sequences:,.2f} epoch(s)" in \
+        result.check().stdout + result.stderr
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_resume_is_exact(runs, dataset, tmp_path, zero):
     uninterrupted = runs(zero, 2, 4)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megasparse.config import DataConfig
+from megasparse.data.shards import INDEX_FILE, open_prepared
 from megasparse.errors import UserError
 
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -37,7 +38,19 @@ def _describe_training(cfg: DataConfig) -> list[str]:
         return [f"hf:{cfg.hf_dataset}" + (f"/{cfg.hf_subset}" if cfg.hf_subset else "") + f":{cfg.hf_split}"]
     if cfg.files:
         return [str(p) for p in expand_files(cfg.files)]
-    return [f"embedded:python-stdlib:{stdlib_dir()}"]
+    return [f"{EMBEDDED}python-stdlib:{stdlib_dir()}"]
+
+
+EMBEDDED = "embedded:"  # how the embedded corpus is named among a dataset's sources
+
+
+def trains_on_embedded_corpus(cfg: DataConfig) -> bool:
+    """Whether the run's training text is the embedded corpus: the dataset at ``data.path`` was prepared from it
+    alone, or, not prepared yet, would be (neither ``data.files`` nor ``data.hf_dataset`` given)."""
+    if (Path(cfg.path) / INDEX_FILE).is_file():
+        sources = [s for s in open_prepared(Path(cfg.path)).index.get("sources", []) if not s.startswith("val:")]
+        return bool(sources) and all(s.startswith(EMBEDDED) for s in sources)
+    return not cfg.files and not cfg.hf_dataset
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

@@ -71,6 +71,8 @@ def _run_parser(kinds, name: str, help_text: str) -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--resume", metavar="auto|PATH", help="passed to megasparse train")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
+    parser.add_argument("--allow-embedded-corpus", action="store_true",
+                        help="on a cluster (Slurm, several nodes), train on the embedded corpus anyway")
     return parser
 
 
@@ -90,7 +92,8 @@ def _local(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     cmd.check_allocation(args.nnodes, args.nproc)
-    cmd.checked_config(args.config, args.overrides, args.nproc * args.nnodes, args.resume)
+    cmd.checked_config(args.config, args.overrides, args.nproc * args.nnodes, args.resume, args.nnodes > 1,
+                       args.allow_embedded_corpus)
     _start(cmd.torchrun_command(_train(args), args.nproc, args.nnodes, args.node_rank, args.master_addr,
                                 args.master_port), args.dry_run)
 
@@ -98,7 +101,8 @@ def _local(args: argparse.Namespace) -> None:
 def _slurm(args: argparse.Namespace) -> None:
     from megasparse.checkpoint.files import complete_checkpoints
 
-    cfg = cmd.checked_config(args.config, args.overrides, args.nodes * args.procs_per_node, args.resume)
+    cfg = cmd.checked_config(args.config, args.overrides, args.nodes * args.procs_per_node, args.resume, True,
+                             args.allow_embedded_corpus)
     output_dir = Path(cfg.training.output_dir).resolve()
     overrides = [o for o in args.overrides if not o.startswith("training.output_dir=")]
     if complete_checkpoints(cfg.checkpoint_dir) and args.resume != "auto":
@@ -129,7 +133,8 @@ def _deepspeed(args: argparse.Namespace) -> None:
     if args.node_rank is not None and not 0 <= args.node_rank < len(hosts):
         raise UserError(f"--node-rank {args.node_rank} is outside the {len(hosts)} host(s)")
     cmd.check_allocation(len(hosts), max(slots for _, slots in hosts))
-    cfg = cmd.checked_config(args.config, args.overrides, sum(slots for _, slots in hosts), args.resume)
+    cfg = cmd.checked_config(args.config, args.overrides, sum(slots for _, slots in hosts), args.resume,
+                             len(hosts) > 1, args.allow_embedded_corpus)
     if args.num_gpus is None and hostfile is None:
         hostfile = Path(cfg.training.output_dir).resolve() / "hostfile"
         print(f"# {hostfile}\n{cmd.hostfile_text(hosts)}", end="")
@@ -149,7 +154,8 @@ def _mpi(args: argparse.Namespace) -> None:
         cmd.check_allocation(len(hosts), max(slots for _, slots in hosts))
     else:
         cmd.check_allocation(1, args.nproc)
-    cmd.checked_config(args.config, args.overrides, args.nproc, args.resume)
+    cmd.checked_config(args.config, args.overrides, args.nproc, args.resume, bool(hosts) and len(hosts) > 1,
+                       args.allow_embedded_corpus)
     _start(cmd.mpi_command(_train(args), args.nproc, hosts, args.mpiexec), args.dry_run)
 
 

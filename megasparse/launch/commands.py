@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from megasparse.config import Config, load_config
+from megasparse.data.corpus import trains_on_embedded_corpus
 from megasparse.errors import UserError
 from megasparse.parallel.launch_env import slurm_hostnames, tasks_on_node
 
@@ -25,13 +26,21 @@ def train_arguments(config: str, overrides: list[str], resume: str | None) -> li
     return ["train", source, *[a for o in overrides for a in ("--set", o)], *(["--resume", resume] if resume else [])]
 
 
-def checked_config(config: str, overrides: list[str], world_size: int, resume: str | None) -> Config:
+def checked_config(config: str, overrides: list[str], world_size: int, resume: str | None, cluster: bool = False,
+                   allow_embedded_corpus: bool = False) -> Config:
     """The run's config, checked as every rank will check it before training (:func:`preflight`) for
-    ``world_size`` processes."""
+    ``world_size`` processes; on a ``cluster`` (a Slurm job, or several nodes) a run on the embedded corpus is
+    refused unless ``allow_embedded_corpus``: it is a smoke test's data, and a shipped config left with it
+    would read its 3 M tokens thousands of times."""
     from megasparse.train.trainer import preflight  # imports DeepSpeed: only once the arguments are read
 
     cfg = load_config(config, overrides)
     preflight(cfg, world_size, resume)
+    if cluster and not allow_embedded_corpus and trains_on_embedded_corpus(cfg.data):
+        raise UserError(f"data.path '{cfg.data.path}': this run would train on the embedded corpus (the Python "
+                        "standard library's sources, about 3 M tokens), a smoke test's data, not a pretraining "
+                        "corpus; point data.path at a prepared dataset (or set data.files or data.hf_dataset to "
+                        "prepare one: docs/data.md), or pass --allow-embedded-corpus")
     return cfg
 
 

@@ -3,7 +3,8 @@
 With logits z over the vocabulary and temperature tau > 0, the candidates are the k most likely tokens
 (``top_k``; 0: all), then the smallest set of those, most likely first, whose probabilities reach ``top_p``
 (1: all; the most likely token is always kept); the next token is drawn from softmax(z / tau) renormalised
-over the candidates. tau = 0 takes the most likely token (greedy). The draw uses the given generator, so a
+over the candidates (the nucleus's running sums are taken in integers, exact to 2^-40 per token, so that the
+path has deterministic CUDA kernels). tau = 0 takes the most likely token (greedy). The draw uses the given generator, so a
 seed repeats a sample, and the same seed on every rank draws the same token. The defaults: temperature 0.8
 as nanoGPT's sample.py, top-k 50 as Hugging Face's ``generate``, and a nucleus of 0.95, a common setting
 (neither of those two filters by top-p by default).
@@ -15,6 +16,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: the command line reads the defaults without it
     import torch
+
+
+FIXED_POINT_ONE = 2**40  # probability 1 in the nucleus's integer sums (exact to 2^-40 per token)
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,12 @@ class Sampling:
             kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1:
-            ordered, order = scores.sort(dim=-1, descending=True)
-            probabilities = ordered.softmax(dim=-1)
-            before = probabilities.cumsum(dim=-1) - probabilities  # the mass of the tokens ahead of each
-            ordered = ordered.masked_fill(before >= self.top_p, float("-inf"))
+            ordered, order = scores.sort(dim=-1, descending=True, stable=True)
+            # the mass of the tokens ahead of each, summed in fixed point (units of 2^-40): a floating-point cumsum
+            # has no deterministic CUDA kernel (torch refuses it under training.deterministic), an integer one does
+            mass = (ordered.softmax(dim=-1).double() * FIXED_POINT_ONE).round().long()
+            before = mass.cumsum(dim=-1) - mass
+            ordered = ordered.masked_fill(before >= round(self.top_p * FIXED_POINT_ONE), float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import deepspeed
@@ -17,12 +18,31 @@ from megasparse.parallel.launch_env import LaunchEnv
 T = TypeVar("T")
 
 
-def init_distributed(launch: LaunchEnv, timeout_minutes: float) -> None:
+def flight_recorder_environment(backend: str, trace_dir: Path | None) -> dict[str, str]:
+    """What makes NCCL's flight recorder keep each rank's last 2000 collectives and write them, one file per rank
+    (``<trace_dir>/nccl_trace_rank_<rank>``), when a collective passes its timeout: where the heartbeat cannot
+    name a rank (every rank's Python still beats while one waits in a kernel or a collective), these files show
+    which collective each rank last started and finished (``python -m torch.distributed.flight_recorder.fr_trace
+    <trace_dir>``). Nothing for another backend or without a directory."""
+    if backend != "nccl" or trace_dir is None:
+        return {}
+    prefix = str(trace_dir / "nccl_trace_rank_")
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+def init_distributed(launch: LaunchEnv, timeout_minutes: float, trace_dir: Path | None = None) -> None:
     """Join the process group on the accelerator's backend (NCCL on CUDA, gloo on CPU), on the device
-    :func:`device_index` chooses, which is exported as ``LOCAL_RANK`` so that DeepSpeed drives the same one."""
+    :func:`device_index` chooses, which is exported as ``LOCAL_RANK`` so that DeepSpeed drives the same one;
+    under NCCL with NCCL's flight recorder writing to ``trace_dir`` on a timeout (settings the user made win)."""
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1; other launchers leave every rank all cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     accelerator = get_accelerator()
+    recorder = flight_recorder_environment(accelerator.communication_backend_name(), trace_dir)
+    for name, value in recorder.items():  # read when the process groups are made
+        os.environ.setdefault(name, value)
+    if recorder:
+        trace_dir.mkdir(parents=True, exist_ok=True)
     index = device_index(launch.local_rank, launch.local_world_size, accelerator.device_count())
     launch.export(device=index)
     if index is not None:

@@ -10,8 +10,10 @@ tensor-parallel rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import deepspeed.comm as dist
+import torch.distributed
 
 from megasparse.errors import ConfigError
 
@@ -68,20 +70,22 @@ def split_world(world_size: int, tensor_parallel_size: int) -> int:
     return world_size // tensor_parallel_size
 
 
-def create_groups(tensor_parallel_size: int) -> ParallelState:
-    """Create the process groups on every rank (each rank must call this, in the same order)."""
+def create_groups(tensor_parallel_size: int, timeout: timedelta) -> ParallelState:
+    """Create the process groups on every rank (each rank must call this, in the same order), each with the
+    collective ``timeout`` (``parallel.timeout_minutes``): torch gives a group made without one its own default
+    (10 minutes under NCCL) whatever the world group's, and nearly every collective of a step runs on these."""
     world, rank = dist.get_world_size(), dist.get_rank()
     data_parallel_size = split_world(world, tensor_parallel_size)
     tensor_group = data_group = None
     data_ranks: list[int] = []
     for first in range(0, world, tensor_parallel_size):
         ranks = list(range(first, first + tensor_parallel_size))
-        group = dist.new_group(ranks)
+        group = torch.distributed.new_group(ranks, timeout=timeout)  # deepspeed.comm's takes no timeout
         if rank in ranks:
             tensor_group = group
     for offset in range(tensor_parallel_size):
         ranks = list(range(offset, world, tensor_parallel_size))
-        group = dist.new_group(ranks)
+        group = torch.distributed.new_group(ranks, timeout=timeout)  # deepspeed.comm's takes no timeout
         if rank in ranks:
             data_group, data_ranks = group, ranks
     return ParallelState(tensor_parallel_size, data_parallel_size, rank % tensor_parallel_size,

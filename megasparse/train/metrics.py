@@ -68,7 +68,8 @@ class MetricsLogger:
             self._wandb.log({f"{event}/{key}": value for key, value in values.items()}, step=step)
         if event == "train":
             mfu = {"mfu": f"{values['mfu']:.1%}"} if "mfu" in values else {}
-            self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}",
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}", epoch=f"{values['epoch']:.2f}",
+                                  tok_s=f"{values['tokens_per_s']:,.0f}",
                                   tflops=f"{values['tflops_per_device']:.3g}", **mfu,
                                   mem_gb=f"{values['memory_gb']:.2f}")
         elif event == "eval":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from datetime import timedelta
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from megasparse.checkpoint.durable import (RecordingCheckpointEngine, keep_recov
 from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, tag_for
 from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import PROJECTIONS, Config, config_from_dict
-from megasparse.data.corpus import describe_sources
+from megasparse.data.corpus import describe_sources, trains_on_embedded_corpus
 from megasparse.data.loader import PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
@@ -91,8 +92,8 @@ def start_processes(cfg: Config, resume: str | None = None) -> ParallelState:
     join the process group, create the TP x DP groups."""
     launch = discover_launch_env()
     preflight(cfg, launch.world_size, resume)
-    init_distributed(launch, cfg.parallel.timeout_minutes)
-    return create_groups(cfg.parallel.tensor_parallel)
+    init_distributed(launch, cfg.parallel.timeout_minutes, Path(cfg.training.output_dir) / "nccl_traces")
+    return create_groups(cfg.parallel.tensor_parallel, timedelta(minutes=cfg.parallel.timeout_minutes))
 
 
 def preflight(cfg: Config, world_size: int, resume: str | None = None) -> None:
@@ -167,6 +168,7 @@ class Trainer:
         t = cfg.training
         self.data = load_or_prepare(cfg)
         train_windows, self.eval_windows = usable_windows(cfg, self.data)
+        self.epoch_sequences = len(train_windows)  # an epoch: every training window once
         self.tp = tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size,
                                       parallel.tensor_parallel_rank)
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
@@ -278,6 +280,12 @@ class Trainer:
                  f"{self.data.vocab_size}; {self.parallel.tensor_parallel_size} tensor-parallel x {self.dp_size} "
                  f"data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
                  f"{self.loader.accumulation_steps} micro-batch(es) per step")
+            epochs = t.steps * t.global_batch_size / self.epoch_sequences
+            embedded = trains_on_embedded_corpus(cfg.data)
+            source = " (the embedded corpus, a smoke test's data)" if embedded else ""
+            _log(f"{'warning: ' if embedded and epochs > 1 else ''}data: {self.epoch_sequences:,} training sequences "
+                 f"of {cfg.data.seq_len} tokens{source}; {t.steps:,} steps of {t.global_batch_size} read "
+                 f"{epochs:,.2f} epoch(s)")
         rank0_runs(self._prepare_checkpoint_dir, "preparing the checkpoint directory")
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
@@ -316,6 +324,7 @@ class Trainer:
                     "lr": lr,
                     **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
                     "tokens": self.step * tokens_per_step,
+                    "epoch": self.step * t.global_batch_size / self.epoch_sequences,
                     "tokens_per_s": window_steps * tokens_per_step / elapsed,
                     **throughput(window_steps * tokens_per_step / elapsed, dist.get_world_size(),
                                  self.flops_per_token.training, self.peak_tflops),
