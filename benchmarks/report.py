@@ -47,6 +47,7 @@ import smet_speed  # noqa: E402
 import smet_stability  # noqa: E402
 import sparse_inference  # noqa: E402
 import spectron_ablation  # noqa: E402
+import spectron_ns_precision  # noqa: E402
 import spectron_stability  # noqa: E402
 import spectron_step  # noqa: E402
 import throughput  # noqa: E402
@@ -73,6 +74,7 @@ BENCHMARKS = {
     "tp_traffic": "tensor-parallel bytes per step, dense layers against low-rank ones",
     "spectron_stability": "loss and spectral norms of dense AdamW, low-rank AdamW and Spectron over rates",
     "spectron_ablation": "the paper's ablation: renormalisation, orthogonalisation, both, and the rank",
+    "spectron_ns_precision": "Spectron's Newton-Schulz in bf16 against fp32: step directions and a short run's losses",
     "compile_speed": "training tokens/s with `training.compile` against eager",
     "peers": "megasparse's trainer against a plain PyTorch loop on the same model and batches",
     "activation_memory": "memory and step time under each `training.activation_checkpointing` mode",
@@ -118,6 +120,7 @@ MEASURED_AT = {
     "smet_speed_index.json": ("94191a7 (2026-12-02)", "c248d0c"),
     "smet_speed_mask.json": ("94191a7 (2026-12-02)", "306bd18"),
     "smet_speed_index_bf16.json": ("c848523 (2026-12-02)", "c248d0c"),
+    "spectron_ns_precision.json": ("COMMIT (2026-12-02)", None),
     "smet_speed_mask_bf16.json": ("c848523 (2026-12-02)", "12ac906"),
     "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr3e-3.json": ("93bd49d (2026-11-29)", None),
@@ -191,6 +194,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "tp_traffic": lambda: tp_traffic.table(result("tp_traffic")["layers"], result("tp_traffic")["models"]),
     "spectron_stability": lambda: spectron_stability.table(result("spectron_stability")["runs"]),
     "spectron_ablation": lambda: spectron_ablation.table(result("spectron_ablation")["runs"]),
+    "spectron_ns_precision": lambda: spectron_ns_precision.tables(result("spectron_ns_precision")),
     "compile_speed": lambda: compile_speed.table(result("compile_speed")["summary"]),
     **{name: functools.partial(lambda n: peers.table(result(n)["rounds"]), name)
        for name in ("peers", "peers_before")},

@@ -101,7 +101,8 @@ def _show_config(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     tp = cfg.parallel.tensor_parallel
     dp = split_world(args.world_size, tp)
-    print("# resolved megasparse config")
+    fitted = cfg.fit_micro_batch(dp)
+    print("# resolved megasparse config" + (f" ({fitted})" if fitted else ""))
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(f"# DeepSpeed config for {args.world_size} process(es): {tp} tensor-parallel x {dp} data-parallel")
     print(json.dumps(deepspeed_config(cfg, dp), indent=2))

@@ -188,6 +188,9 @@ class SparseConfig:
     prune_fraction_min: float = number(0.005, ge=0, le="sparse.prune_fraction")  # zeta_min: at the end of the decay
     stop_step: int = number(0, ge=0)  # last step with topology updates (the decay ends there); 0: training.steps
     regrow: Literal["random", "gradient"] = "random"  # SET (random) or RigL (largest gradient magnitude)
+    # each sparse layer's active count rounded to a multiple of this (8: it splits over 1, 2, 4 or 8
+    # tensor-parallel ranks, the same model in each), moving its density by at most half of it over out x in
+    active_multiple: int = number(1, ge=1)
     # RigL's |dL/dW|: of the update step's whole batch (step: RigL's definition; with several micro-batches every
     # sparse layer's fp32 sum lives from its first micro-batch's backward to its last), or of its last micro-batch
     # only, summed over the data-parallel ranks (last_micro_batch: one layer's at a time)
@@ -229,6 +232,9 @@ class SpectronConfig:
     momentum: float = number(0.95, ge=0, lt=1)
     nesterov: bool = True
     ns_steps: int = number(5, gt=0)  # Newton-Schulz iterations
+    # their precision: fp32 (tensor-parallel layouts equal one process to 1e-5; TF32 where torch allows it) or
+    # bf16 (as Muon and the Spectron reference run them: a GPU's bf16 units, a step direction within about 1%)
+    ns_dtype: Literal["fp32", "bf16"] = "fp32"
     # each orthogonalised update times sqrt(max(1, rows / cols)) (Muon's shape adjustment, on in the reference):
     # A (out x r) by sqrt(out / r), B (r x in) by 1
     shape_scale: bool = True
@@ -250,7 +256,7 @@ class ParallelConfig:
 @section
 class TrainingConfig:
     steps: int = number(1000, gt=0)
-    micro_batch_size: int = number(8, gt=0)  # sequences per process per forward pass
+    micro_batch_size: int = number(8, gt=0)  # the most sequences per process per pass (Config.fit_micro_batch)
     global_batch_size: int = number(64, gt=0)  # sequences per optimizer step, over all processes
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: needs ZeRO stage 1, 2 or 3
     grad_clip: float = number(1.0, ge=0)  # global gradient-norm clipping; 0 turns it off
@@ -332,6 +338,27 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
 
+    def fit_micro_batch(self, data_parallel_size: int) -> str | None:
+        """Fit ``training.micro_batch_size`` to ``data_parallel_size`` ranks: where the configured micro-batch does
+        not divide the sequences each rank takes per step (global / D), use the largest micro-batch below it that
+        does (the step, its batch and the result are the same; a rank holds fewer sequences at once), so that a
+        config runs on any number of ranks that divides its global batch. Returns what changed, or None."""
+        t = self.training
+        if t.global_batch_size % data_parallel_size:
+            lower = t.global_batch_size - t.global_batch_size % data_parallel_size
+            raise ConfigError(f"training.global_batch_size: {t.global_batch_size} sequences do not split over "
+                              f"{data_parallel_size} data-parallel ranks; use a multiple of {data_parallel_size} "
+                              f"(e.g. {lower or data_parallel_size} or {lower + data_parallel_size}), or a number of "
+                              "ranks that divides it")
+        per_rank = t.global_batch_size // data_parallel_size
+        if per_rank % t.micro_batch_size == 0:
+            return None
+        fitted = max(m for m in range(1, min(t.micro_batch_size, per_rank) + 1) if per_rank % m == 0)
+        note = (f"training.micro_batch_size: {t.micro_batch_size} -> {fitted}, to divide the {per_rank} sequences "
+                f"each of the {data_parallel_size} data-parallel ranks takes per step")
+        t.micro_batch_size = fitted
+        return note
+
     def validate(self, data_parallel_size: int | None = None) -> "Config":
         """Check every key against its bounds, then the keys together; ``data_parallel_size`` adds the
         batch-split checks. Reads no file (see :meth:`check_paths`)."""
@@ -346,8 +373,6 @@ class Config:
         _require(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}")
         _require((m.dim // m.n_heads) % 2 == 0, "model.dim", "dim / n_heads must be even for rotary embeddings")
         _require(m.n_heads % m.kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-        _require(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
-                 f"{t.global_batch_size} is not a multiple of training.micro_batch_size={t.micro_batch_size}")
         _require(not self.logging.sample_interval or self.logging.sample_tokens < self.data.seq_len,
                  "logging.sample_tokens",
                  f"{self.logging.sample_tokens} leaves no room for a prompt in data.seq_len={self.data.seq_len}")

@@ -98,6 +98,8 @@ def plan(cfg: Config, gpus: int, vocab_size: int | None = None) -> Plan:
     if gpus % t:
         raise UserError(f"--gpus {gpus} is not a multiple of parallel.tensor_parallel={t}")
     d, stage = gpus // t, cfg.parallel.zero_stage
+    cfg = copy.deepcopy(cfg)
+    cfg.fit_micro_batch(d)
     cfg.validate(d)
     b = 2 if cfg.training.precision == "bf16" else 4
     threshold = persistence_threshold(cfg)
@@ -190,6 +192,8 @@ def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     vocab_size, source = vocabulary(cfg)
     ours, dense = plan(cfg, gpus, vocab_size), plan(dense_counterpart(cfg), gpus, vocab_size)
     t = cfg.parallel.tensor_parallel
+    cfg = copy.deepcopy(cfg)
+    cfg.fit_micro_batch(gpus // t)  # the micro-batch the run will take (checked by plan())
     label = {"sparse": "SMET", "lowrank": "Spectron", "dense": "dense"}[cfg.model.layer]
     lines = [f"{cfg.model.preset or 'model'} on {gpus} GPUs ({t} tensor-parallel x {gpus // t} data-parallel), "
              f"ZeRO-{cfg.parallel.zero_stage}, {cfg.training.precision}, micro-batch {cfg.training.micro_batch_size} x "

@@ -47,6 +47,9 @@ METHODS["naive"] = {**METHODS["smet"], "smet": {"mode": "naive"}}
 # Under tensor parallelism each rank stores nnz / T slots: density 0.25 gives every llama-tiny projection an even nnz.
 METHODS["smet-tp"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "density": 0.25}}
 METHODS["smet-tp-rigl"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"]["sparse"], "regrow": "gradient"}}
+# ERK's per-layer counts rounded to multiples of 8, which 2 tensor-parallel ranks share
+METHODS["smet-tp-erk"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"]["sparse"], "init": "erk",
+                                                           "active_multiple": 8}}
 # Spectron on factorised projections (rank 0.25 x in_features) with AdamW on the rest.
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).

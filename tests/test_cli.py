@@ -58,7 +58,7 @@ def test_global_batch_not_divisible_by_the_processes(tmp_path, dataset):
     path = write_config(tmp_path / "run.yaml", tiny_config(dataset, tmp_path / "out", training={"micro_batch_size": 4}))
     result = megasparse("train", str(path), env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                                                  "MASTER_PORT": "1", **MPICH}, launcher="none")
-    one_error_line(result, "training.global_batch_size: 8 is not divisible by micro_batch_size x data-parallel size = 4 x 3")
+    one_error_line(result, "training.global_batch_size: 8 sequences do not split over 3 data-parallel ranks")
 
 
 def test_tensor_parallel_degree_not_dividing_the_processes(tmp_path, dataset):

@@ -56,7 +56,6 @@ def test_shipped_configs_load_by_name():
     ({"optimizer": {"lr": -1.0}}, "optimizer.lr: must be > 0"),
     ({"optimizer": {"lr": 1e-3, "min_lr": 1e-2}}, "optimizer.min_lr: must be in [0, optimizer.lr=0.001]"),
     ({"optimizer": {"warmup_steps": 5000}}, "optimizer.warmup_steps: must be in [0, training.steps=1000]"),
-    ({"training": {"micro_batch_size": 3, "global_batch_size": 64}}, "training.global_batch_size: 64 is not a multiple"),
     ({"model": {"preset": "llama-7t"}}, "model.preset: unknown preset 'llama-7t'"),
     ({"model": {"preset": "", "dim": 64}}, "model.n_layers: must be > 0"),
     ({"model": {"dim": 130}}, "model.dim: 130 is not divisible by model.n_heads=4"),
@@ -80,6 +79,56 @@ def test_batch_split_is_checked_against_the_process_count():
     with pytest.raises(ConfigError, match=r"training.global_batch_size: 8 is not divisible by micro_batch_size x "
                                           r"data-parallel size = 4 x 3"):
         cfg.validate(data_parallel_size=3)
+
+
+@pytest.mark.parametrize("micro,global_batch,ranks,fitted", [
+    (64, 512, 16, 32),  # 32 sequences per rank: one micro-batch of 32
+    (16, 512, 128, 4),
+    (48, 512, 8, 32),   # 64 per rank: two of 32, the largest under 48 that divides 64
+    (8, 512, 8, 8),     # fits as configured: unchanged
+    (3, 8, 1, 2),
+])
+def test_the_micro_batch_is_fitted_to_the_data_parallel_ranks(micro, global_batch, ranks, fitted):
+    """The configured micro-batch is the most a rank takes at once: where it does not divide a rank's share of the
+    step, the largest one below it that does is used, and the note says so."""
+    cfg = config_from_dict({"training": {"micro_batch_size": micro, "global_batch_size": global_batch}})
+    note = cfg.fit_micro_batch(ranks)
+    assert cfg.training.micro_batch_size == fitted and (note is None) == (fitted == micro)
+    assert note is None or note.startswith(f"training.micro_batch_size: {micro} -> {fitted}")
+    cfg.validate(ranks)
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_with_a_hint():
+    cfg = config_from_dict({"training": {"micro_batch_size": 8, "global_batch_size": 512}})
+    with pytest.raises(ConfigError, match=r"training.global_batch_size: 512 sequences do not split over 24 "
+                                          r"data-parallel ranks; use a multiple of 24 \(e.g. 504 or 528\)"):
+        cfg.fit_micro_batch(24)
+
+
+GPU_SIZES = (8, 16, 32, 64, 128)
+
+
+def _header_world_sizes(path) -> set[int]:
+    """The process counts a config's header comment names: ``--nodes N --procs-per-node G`` and ``--nproc N``."""
+    import re
+
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    sizes = {int(n) * int(g) for n, g in re.findall(r"--nodes (\d+) --procs-per-node (\d+)", header)}
+    return sizes | {int(n) for n in re.findall(r"--nproc(?:_per_node)? (\d+)", header)}
+
+
+@pytest.mark.parametrize("name", sorted(shipped_configs()))
+def test_every_shipped_config_runs_at_its_world_sizes(name):
+    """Each shipped config passes every check a run makes before training (preflight) at the process counts its
+    header names (one model replica where it names none), and a config for GPU clusters also at 8, 16, 32, 64 and
+    128 GPUs."""
+    from megasparse.train.trainer import preflight
+
+    path = shipped_configs()[name]
+    cluster = "GPU cluster" in "".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    named = _header_world_sizes(path) or {load_config(name).parallel.tensor_parallel}
+    for world in sorted(named | (set(GPU_SIZES) if cluster else set())):
+        preflight(load_config(name), world)
 
 
 @pytest.mark.parametrize("text,message", [

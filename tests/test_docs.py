@@ -77,3 +77,21 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 def test_readme_stays_short():
     assert len(README.splitlines()) < README_MAX_LINES
+
+
+def test_the_gpu_check_plan_fits_ten_minutes(tmp_path):
+    """``tools/gpu_check.sh --dry-run`` (no GPU needed) prints every part with its timeout, what the suite's
+    one-GPU selection leaves out, and timeouts that sum to at most ten minutes; it writes nothing."""
+    import subprocess
+
+    out = tmp_path / "gpu-check"
+    proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--dry-run", str(out)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    parts = re.findall(r"^- ([\w-]+) \(timeout (\d+) s\)", proc.stdout, re.MULTILINE)
+    names = {name for name, _ in parts}
+    assert {"data", "tests", *(f"{m}-{k}" for m in ("dense", "smet", "spectron") for k in ("eager", "compiled"))} <= names
+    assert sum(int(limit) for _, limit in parts) <= 600
+    assert re.search(r"^total of the timeouts: (\d+) s", proc.stdout, re.MULTILINE)
+    assert "left out of the suite:" in proc.stdout and "sparse.update_interval=4" in proc.stdout  # updates at 4, 8
+    assert not out.exists()

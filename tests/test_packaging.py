@@ -104,7 +104,7 @@ def test_shipped_configs_and_template_from_elsewhere(install, tmp_path):
     run([str(install.bin / "python"), "-m", "megasparse", "config", "spectron-tp2-quickstart", "--world-size", "2"],
         tmp_path).check()
     result = run([str(install.bin / "megasparse"), "launch", "slurm", "quickstart", "--nodes", "1",
-                  "--procs-per-node", "2", "--dry-run"], tmp_path).check()
+                  "--procs-per-node", "2", "--allow-embedded-corpus", "--dry-run"], tmp_path).check()
     assert "#SBATCH --nodes=1" in result.stdout
 
 

@@ -68,7 +68,7 @@ def test_plan_prints_every_kind_and_whether_it_fits():
     (["--gpus", "0"], "--gpus must be at least 1"),
     (["--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory positive"),
     (["--gpus", "3", "--set", "parallel.tensor_parallel=2"], "--gpus 3 is not a multiple of parallel.tensor_parallel=2"),
-    (["--gpus", "6"], "is not divisible by micro_batch_size x data-parallel size"),
+    (["--gpus", "6"], "512 sequences do not split over 6 data-parallel ranks"),
 ])
 def test_plan_refuses_in_one_line(args, expected):
     one_error_line(megasparse_here("plan", "smet-paper-llama-130m", *args), expected)

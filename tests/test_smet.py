@@ -301,6 +301,22 @@ def test_regrowth_by_gradient_of_the_step_or_of_its_last_micro_batch(last_only):
     assert torch.equal(regrowth.positions, expected)
 
 
+def test_active_counts_are_rounded_to_the_multiple_with_the_density_moved_by_under_half_of_it():
+    """``sparse.active_multiple`` rounds each layer's ERK count to a multiple (what tensor-parallel ranks share),
+    and the overall density moves by under half a multiple per layer; 1 leaves them as the densities give them."""
+    from megasparse.model.factory import active_counts, density_rounding, sparse_densities
+
+    for multiple in (1, 8):
+        cfg = sparse_config(sparse={"init": "erk", "density": 0.3, "active_multiple": multiple})
+        counts = active_counts(cfg)
+        for role, (nnz, rounded, numel) in counts.items():
+            assert rounded % multiple == 0 and abs(rounded - nnz) <= multiple / 2
+            assert round(sparse_densities(cfg)[role] * numel) == rounded
+        assert any(nnz % 8 for nnz, _, _ in counts.values())  # ERK's counts are not multiples of 8 by themselves
+        before, after = density_rounding(cfg)
+        assert (before == after) == (multiple == 1) and abs(before - after) < 1e-3
+
+
 def test_random_regrowth_is_seeded():
     active = torch.arange(100) < 20
     picks = [random_regrowth(active, 5, torch.Generator().manual_seed(s)).tolist() for s in (1, 1, 2)]

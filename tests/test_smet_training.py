@@ -69,10 +69,11 @@ def test_tensor_parallel_masks_equal_one_process_after_every_update(dataset, tmp
         assert_same_model(whole(tmp_path / "tp2", step), whole(tmp_path / "tp1", step), rel=TP_WEIGHTS)
 
 
-@pytest.mark.parametrize("zero,method", [(2, "smet-tp"), (3, "smet-tp"), (2, "smet-tp-rigl")])
+@pytest.mark.parametrize("zero,method", [(2, "smet-tp"), (3, "smet-tp"), (2, "smet-tp-rigl"), (2, "smet-tp-erk")])
 def test_tensor_and_data_parallel_sparse_layers_match_one_process(runs, zero, method):
     """2 tensor- x 2 data-parallel ranks, with random and gradient regrowth (RigL's dense gradient of the
-    whole W gathered from the shards), at ZeRO-2 and ZeRO-3."""
+    whole W gathered from the shards), at ZeRO-2 and ZeRO-3, and with ERK's densities, whose active counts
+    ``sparse.active_multiple`` rounds to what the ranks share."""
     reference, run = runs(0, 1, 1, method=method), runs(zero, 4, 1, method=method, tp=2)
     assert [r["step"] for r in read_metrics(run, "topology")] == [2, 4, 6]
     assert train_losses(run) == pytest.approx(train_losses(reference), rel=1e-5)

@@ -212,3 +212,14 @@ def test_sparse_slots_must_split_evenly_over_tensor_parallel_ranks():
     layer_factory(config_from_dict({**cfg, "sparse": {"density": 0.25}}).validate())  # 1024 of 64 x 64: 512 each
     with pytest.raises(ConfigError, match="2 ranks cannot share the 1229 active weights of q_proj"):
         layer_factory(config_from_dict({**cfg, "sparse": {"density": 0.3}}).validate())
+
+
+def test_newton_schulz_in_bf16_points_where_fp32_does():
+    """``spectron.ns_dtype: bf16`` runs the iterations in bf16 (as Muon and the Spectron reference do): the
+    direction returned (fp32) is within a cosine of 0.999 of fp32's, tall and wide, and not the same."""
+    for shape, wide in (((3, 96, 24), False), ((3, 24, 96), True)):
+        m = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        fp32 = newton_schulz(m, TensorParallel(), 5, wide=wide)
+        bf16 = newton_schulz(m, TensorParallel(), 5, wide=wide, dtype=torch.bfloat16)
+        assert bf16.dtype == torch.float32 and not torch.equal(fp32, bf16)
+        assert torch.nn.functional.cosine_similarity(fp32.flatten(1), bf16.flatten(1)).min() > 0.999

@@ -35,7 +35,9 @@ def checked_config(config: str, overrides: list[str], world_size: int, resume: s
     from megasparse.train.trainer import preflight  # imports DeepSpeed: only once the arguments are read
 
     cfg = load_config(config, overrides)
-    preflight(cfg, world_size, resume)
+    fitted = preflight(cfg, world_size, resume)
+    if fitted:
+        print(f"# {fitted}")
     if cluster and not allow_embedded_corpus and trains_on_embedded_corpus(cfg.data):
         raise UserError(f"data.path '{cfg.data.path}': this run would train on the embedded corpus (the Python "
                         "standard library's sources, about 3 M tokens), a smoke test's data, not a pretraining "

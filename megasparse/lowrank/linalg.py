@@ -25,25 +25,27 @@ def _gram(x: torch.Tensor, wide: bool) -> torch.Tensor:
 
 
 def newton_schulz(m: torch.Tensor, tp: TensorParallel, steps: int = 5, eps: float = 1e-7,
-                  wide: bool = False) -> torch.Tensor:
+                  wide: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Orthogonalise each matrix M of the batch (long dimension split over ``tp``): X_0 = M / ||M||_F, then
     ``steps`` quintic iterations X <- X P (wide: P X) with P = a I + b G + c G^2 and G the r x r Gram matrix
     over the long dimension, summed over its blocks; that is Muon's X <- a X + b X G + c X G^2 in one product
     of X. The first G comes from the same all-reduce as the norm (G_0 = M^T M / ||M||_F^2 and
-    ||M||_F^2 = tr M^T M), so the whole batch takes ``steps`` all-reduces. Returns this rank's block, in fp32."""
+    ||M||_F^2 = tr M^T M), so the whole batch takes ``steps`` all-reduces. The iterations run in ``dtype``
+    (bf16: as Muon and Spectron's reference run them, on a GPU's bf16 units; fp32 follows torch's TF32 setting
+    for its products), the norm in fp32. Returns this rank's block, in fp32."""
     a, b, c = NS_COEFFICIENTS
-    x = m.float()
+    x = m.to(dtype)
     gram = all_reduce(_gram(x, wide), tp)
-    scale = 1.0 / (gram.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt() + eps)[:, None, None]
-    x = x * scale
-    gram = gram * scale.square()
+    scale = 1.0 / (gram.float().diagonal(dim1=-2, dim2=-1).sum(-1).sqrt() + eps)[:, None, None]
+    x = x * scale.to(dtype)
+    gram = gram * scale.square().to(dtype)
     for step in range(steps):
         if step:
             gram = all_reduce(_gram(x, wide), tp)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         x = poly @ x if wide else x @ poly  # P is symmetric
-    return x
+    return x.float()
 
 
 def power_iteration(x: torch.Tensor, v: torch.Tensor, tp: TensorParallel,

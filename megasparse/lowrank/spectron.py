@@ -130,10 +130,10 @@ def factor_batches(pairs: list[FactorPair], shape_scale: bool) -> list[list[Fact
 class Spectron(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, momentum: float, nesterov: bool, ns_steps: int, shape_scale: bool = True,
-                 orthogonalise: bool = True, renormalise: bool = True) -> None:
+                 orthogonalise: bool = True, renormalise: bool = True, ns_dtype: torch.dtype = torch.float32) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, spectron=False)
         super().__init__(params, defaults)
-        self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
+        self.momentum, self.nesterov, self.ns_steps, self.ns_dtype = momentum, nesterov, ns_steps, ns_dtype
         self.shape_scale, self.orthogonalise, self.renormalise = shape_scale, orthogonalise, renormalise
         self.pairs: list[FactorPair] = []
         self.spectral_norms: dict[str, torch.Tensor] = {}  # sigma_A + sigma_B per pair at the last step
@@ -219,7 +219,8 @@ class Spectron(torch.optim.Optimizer):
         pieces, steps = [], []
         for batch, direction, coefficient in zip(self.batches, directions, coefficients):
             if self.orthogonalise:
-                direction = newton_schulz(direction, batch[0].tp, self.ns_steps, wide=batch[0].wide)
+                direction = newton_schulz(direction, batch[0].tp, self.ns_steps, wide=batch[0].wide,
+                                          dtype=self.ns_dtype)
             update = direction.mul_(coefficient[:, None, None])  # a fresh tensor either way
             for f, flat in zip(batch, update.view(len(batch), -1)):
                 for fragment in self.fragments(f.param):

@@ -30,7 +30,7 @@ def persistence_threshold(cfg: Config) -> int:
         return own
     if cfg.model.layer != "sparse":
         return PERSISTENCE_THRESHOLD
-    return int(PERSISTENCE_THRESHOLD * min(sparse_densities(cfg).values()))
+    return round(PERSISTENCE_THRESHOLD * min(sparse_densities(cfg).values()))
 
 
 def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from torch import nn
 
 from megasparse.config import Config
 from megasparse.lowrank.spectron import Spectron
+from megasparse.model.placement import DTYPES
 from megasparse.optim.groups import parameter_groups
 from megasparse.sparse.optimizer import SMETAdam
 
@@ -24,6 +25,6 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         s = cfg.spectron
         return Spectron(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, momentum=s.momentum,
                         nesterov=s.nesterov, ns_steps=s.ns_steps, shape_scale=s.shape_scale,
-                        orthogonalise=s.orthogonalise, renormalise=s.renormalise)
+                        orthogonalise=s.orthogonalise, renormalise=s.renormalise, ns_dtype=DTYPES[s.ns_dtype])
     return torch.optim.AdamW([{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in groups],
                              lr=o.lr, betas=o.betas, eps=o.eps)

@@ -39,7 +39,7 @@ from megasparse.lowrank.layers import SharedFactorisation
 from megasparse.model.sampling import Sampling, continue_tokens
 from megasparse.lowrank.spectron import Spectron, factor_pairs
 from megasparse.model.execution import checkpoint_blocks, compile_blocks
-from megasparse.model.factory import layer_factory
+from megasparse.model.factory import density_rounding, layer_factory
 from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
 from megasparse.model.placement import DTYPES, built_on, zero3_partition
@@ -96,11 +96,14 @@ def start_processes(cfg: Config, resume: str | None = None) -> ParallelState:
     return create_groups(cfg.parallel.tensor_parallel, timedelta(minutes=cfg.parallel.timeout_minutes))
 
 
-def preflight(cfg: Config, world_size: int, resume: str | None = None) -> None:
+def preflight(cfg: Config, world_size: int, resume: str | None = None) -> str | None:
     """Everything that can be refused from the config and the files alone: the config for this number of
-    processes, its paths (``checkpoint.init_from`` only for a run that will not resume), the layer shapes
+    processes (its micro-batch fitted to the data-parallel ranks: :meth:`Config.fit_micro_batch`, whose note
+    is returned), its paths (``checkpoint.init_from`` only for a run that will not resume), the layer shapes
     (sparse densities, low-rank ranks), and the dataset if it exists, otherwise the sources to prepare it."""
-    cfg.validate(split_world(world_size, cfg.parallel.tensor_parallel))
+    data_parallel_size = split_world(world_size, cfg.parallel.tensor_parallel)
+    fitted = cfg.fit_micro_batch(data_parallel_size)
+    cfg.validate(data_parallel_size)
     resumes = resume is not None and (resume != "auto" or bool(complete_checkpoints(cfg.checkpoint_dir)))
     cfg.check_paths(key for key, _ in cfg.keys() if not (resumes and key == "checkpoint.init_from"))
     layer_factory(cfg)
@@ -116,6 +119,7 @@ def preflight(cfg: Config, world_size: int, resume: str | None = None) -> None:
         usable_windows(cfg, open_prepared(Path(cfg.data.path)))
     else:
         describe_sources(cfg.data)  # the files to prepare it from exist
+    return fitted
 
 
 def wandb_run(cfg: Config) -> WandbRun | None:
@@ -279,7 +283,11 @@ class Trainer:
             _log(f"model: {self.num_parameters:,} parameters per tensor-parallel rank, vocabulary "
                  f"{self.data.vocab_size}; {self.parallel.tensor_parallel_size} tensor-parallel x {self.dp_size} "
                  f"data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
-                 f"{self.loader.accumulation_steps} micro-batch(es) per step")
+                 f"{self.loader.accumulation_steps} micro-batch(es) of {t.micro_batch_size} per step")
+            if cfg.model.layer == "sparse" and cfg.sparse.active_multiple > 1:
+                before, after = density_rounding(cfg)
+                _log(f"sparse: active counts rounded to multiples of {cfg.sparse.active_multiple} "
+                     f"(sparse.active_multiple): overall density {before:.6f} -> {after:.6f}")
             epochs = t.steps * t.global_batch_size / self.epoch_sequences
             embedded = trains_on_embedded_corpus(cfg.data)
             source = " (the embedded corpus, a smoke test's data)" if embedded else ""
