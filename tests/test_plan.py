@@ -90,7 +90,8 @@ def test_rigl_with_several_micro_batches_plans_every_layers_dense_gradient_sum_u
 
 
 def test_zero3_keeps_a_sparse_projection_gathered_when_its_dense_weight_would_be():
-    """DeepSpeed's persistence threshold (10^5 elements) scaled by the density for SMET, unless the config sets it."""
+    """DeepSpeed's persistence threshold (10^5 elements) scaled by the density for SMET and by the factors' share of
+    their dense weights for Spectron, unless the config sets it."""
     from megasparse.train.deepspeed_config import deepspeed_config
 
     def threshold(*overrides: str):
@@ -101,6 +102,9 @@ def test_zero3_keeps_a_sparse_projection_gathered_when_its_dense_weight_would_be
     assert threshold("model.layer=dense", "optimizer.name=adamw") == 100_000
     assert threshold("deepspeed.zero_optimization.stage3_param_persistence_threshold=7") == 7
     assert threshold("parallel.zero_stage=2") is None
+    # llama-130m's factors at rank 0.25 x in: 192 / 768 for q, k, v, o, gate, up; 512 / 2048 for down; and the
+    # smallest, B of gate/up, 192 rows over their 2048 outputs
+    assert threshold("model.layer=lowrank", "optimizer.name=spectron") == round(100_000 * 192 / 2048)
 
 
 def test_the_report_says_what_zero3_would_make_of_the_whole_masks():

@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 from megasparse.config import Config
-from megasparse.model.factory import sparse_densities
+from megasparse.model.factory import low_ranks, projection_shapes, sparse_densities
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold, in elements
 _PERSISTENCE_KEY = "stage3_param_persistence_threshold"
@@ -20,17 +20,22 @@ _PERSISTENCE_KEY = "stage3_param_persistence_threshold"
 def persistence_threshold(cfg: Config) -> int:
     """The most elements a parameter may have that ZeRO-3 keeps gathered between uses: the config's own
     ``deepspeed.zero_optimization.stage3_param_persistence_threshold`` where it sets one, else DeepSpeed's 10^5,
-    scaled for SMET by its smallest layer density d_min. DeepSpeed's default keeps small layers gathered
-    (fewer, larger collectives); a sparse layer's compact values have d times its dense weight's elements, so
-    without the scaling every projection of fewer than 10^5 / d weights would stay whole on every rank, as its
-    dense counterpart would not. With it, a projection's values stay gathered when its dense weight would
-    (exactly so at uniform density)."""
+    scaled by the smallest share s of a dense weight's elements that a projection's parameter holds: SMET's
+    smallest layer density, or for low-rank layers the smallest r / in (A is out x r) or r / out (B). DeepSpeed's
+    default keeps small layers gathered (fewer, larger collectives); without the scaling every compact vector
+    or factor of fewer than 10^5 elements would stay whole on every rank where its dense counterpart would not.
+    With it, a projection's parameter stays gathered only where its dense weight would (exactly so where every
+    projection holds the same share)."""
     own = cfg.deepspeed.get("zero_optimization", {}).get(_PERSISTENCE_KEY)
     if own is not None:
         return own
-    if cfg.model.layer != "sparse":
-        return PERSISTENCE_THRESHOLD
-    return round(PERSISTENCE_THRESHOLD * min(sparse_densities(cfg).values()))
+    if cfg.model.layer == "sparse":
+        return round(PERSISTENCE_THRESHOLD * min(sparse_densities(cfg).values()))
+    if cfg.model.layer == "lowrank":
+        shapes, _ = projection_shapes(cfg.model)
+        shares = [rank / extent for role, rank in low_ranks(cfg).items() for extent in shapes[role]]
+        return round(PERSISTENCE_THRESHOLD * min(shares))
+    return PERSISTENCE_THRESHOLD
 
 
 def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:
