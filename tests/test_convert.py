@@ -228,6 +228,15 @@ def test_import_hf_dense_reproduces_the_logits_and_continues_training(hf_model, 
     assert first == pytest.approx(first_batch_loss(theirs, dataset, 1234), rel=1e-5)
 
 
+def test_a_zero3_run_starts_from_the_model_directory(hf_model, dataset, tmp_path):
+    """``checkpoint.init_from`` at ZeRO-3 on 2 ranks, where the model is partitioned as it is built: each tensor
+    is gathered to be set, so the first step's loss is the Hugging Face model's on that batch."""
+    imported(hf_model, tmp_path / "imported")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_model).eval()
+    first = first_loss_from(tmp_path / "imported", dataset, tmp_path, "dense", 2, parallel={"zero_stage": 3})
+    assert first == pytest.approx(first_batch_loss(theirs, dataset, 1234), rel=1e-5)
+
+
 def test_import_hf_sparse_keeps_the_largest_weights(hf_model, dataset, tmp_path):
     tensors, dense = imported(hf_model, tmp_path / "sparse", "--layer", "sparse", "--density", "0.4"), hf_weights(hf_model)
     for prefix in ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"):
