@@ -339,6 +339,17 @@ def test_shard_of_another_model(runs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_file_of_another_tensor_parallel_degree(runs, tmp_path):
+    """The same parameter names with other shapes (a tensor-parallel rank's file in a checkpoint of one rank per
+    model): one line naming the parameter whose partitions do not fit, not a failed reshape."""
+    split = trained(runs, "dense", 2, 4, 2)
+    swap = without_manifest(lambda c: shutil.copyfile(split / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
+    copy = broken_copy(trained(runs, "dense", 2, 2, 1), tmp_path, swap)
+    result = megasparse_here("convert", "consolidate", str(copy), "--out", str(tmp_path / "out"))
+    one_error_line(result, "does not hold the model of its megasparse.json (its optimizer partitions give")
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_paths_and_outputs(runs, tmp_path, hf_model):
     tag = trained(runs, "dense", 0, 1, 1)
     one_error_line(megasparse_here("convert", "consolidate", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")),

@@ -309,10 +309,11 @@ def test_active_counts_are_rounded_to_the_multiple_with_the_density_moved_by_und
     for multiple in (1, 8):
         cfg = sparse_config(sparse={"init": "erk", "density": 0.3, "active_multiple": multiple})
         counts = active_counts(cfg)
-        for role, (nnz, rounded, numel) in counts.items():
+        for role, (density, nnz, rounded, numel) in counts.items():
             assert rounded % multiple == 0 and abs(rounded - nnz) <= multiple / 2
             assert round(sparse_densities(cfg)[role] * numel) == rounded
-        assert any(nnz % 8 for nnz, _, _ in counts.values())  # ERK's counts are not multiples of 8 by themselves
+            assert (sparse_densities(cfg)[role] == density) == (rounded == nnz)  # unrounded: as configured
+        assert any(nnz % 8 for _, nnz, _, _ in counts.values())  # ERK's counts are not multiples of 8 by themselves
         before, after = density_rounding(cfg)
         assert (before == after) == (multiple == 1) and abs(before - after) < 1e-3
 

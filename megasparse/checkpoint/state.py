@@ -110,6 +110,10 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
             if name not in params:
                 raise UserError(f"'{path}' does not hold the model of its megasparse.json (it has a parameter "
                                 f"'{name}' the model has not)")
+            if entry["fp32"].numel() != params[name].numel():
+                raise UserError(f"'{path}' does not hold the model of its megasparse.json (its optimizer "
+                                f"partitions give '{name}' {entry['fp32'].numel()} elements, the model "
+                                f"{params[name].numel()})")
             weights[name] = entry.pop("fp32").view(params[name].shape)  # fp32 masters over bf16 module weights
     if checkpoint.zero_stage == 3:  # the parameters that do not train (sparse masks): from every rank's piece
         weights |= _zero3_frozen(checkpoint, t, states.get("frozen_param_shapes") or {})

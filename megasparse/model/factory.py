@@ -58,32 +58,33 @@ def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel(), factorise:
     return LowRankLayers(base, tp, low_ranks(cfg), factorise) if cfg.model.layer == "lowrank" else base
 
 
-def active_counts(cfg: Config) -> dict[str, tuple[int, int]]:
-    """Each sparse role's active weights as its density gives them and as ``sparse.active_multiple`` rounds them
-    (to the nearest multiple, at least one), with the role's out x in."""
+def active_counts(cfg: Config) -> dict[str, tuple[float, int, int, int]]:
+    """Each sparse role's density and its active weights as the density gives them and as
+    ``sparse.active_multiple`` rounds them (to the nearest multiple, at least one), with the role's out x in."""
     shapes, counts = projection_shapes(cfg.model)
     densities = layer_densities({role: shapes[role] for role in cfg.sparse.targets}, counts, cfg.sparse)
     multiple, rounded = cfg.sparse.active_multiple, {}
     for role, density in densities.items():
         numel = shapes[role][0] * shapes[role][1]
         nnz = max(1, round(density * numel))
-        rounded[role] = (nnz, min(numel, max(multiple, multiple * round(nnz / multiple))), numel)
+        rounded[role] = (density, nnz, min(numel, max(multiple, multiple * round(nnz / multiple))), numel)
     return rounded
 
 
 def sparse_densities(cfg: Config) -> dict[str, float]:
-    """Each sparse role's density, that of its rounded active count (:func:`active_counts`), checked to give a
-    number of active weights that the tensor-parallel ranks share evenly (each stores the same number of slots)."""
+    """Each sparse role's density (that of its rounded active count where :func:`active_counts` rounded it),
+    checked to give a number of active weights that the tensor-parallel ranks share evenly (each stores the same
+    number of slots)."""
     shapes, _ = projection_shapes(cfg.model)
     t, densities = cfg.parallel.tensor_parallel, {}
-    for role, (_, nnz, numel) in active_counts(cfg).items():
-        if nnz % t:
+    for role, (density, nnz, rounded, numel) in active_counts(cfg).items():
+        if rounded % t:
             in_features, out_features = shapes[role]
-            raise ConfigError(f"parallel.tensor_parallel: {t} ranks cannot share the {nnz} active weights of {role} "
-                              f"({nnz / numel:.4g} of {out_features} x {in_features}) evenly; set "
+            raise ConfigError(f"parallel.tensor_parallel: {t} ranks cannot share the {rounded} active weights of "
+                              f"{role} ({rounded / numel:.4g} of {out_features} x {in_features}) evenly; set "
                               f"sparse.active_multiple to a multiple of {t} (8 serves 1, 2, 4 and 8 ranks), which "
                               "rounds each layer's active count")
-        densities[role] = nnz / numel
+        densities[role] = density if rounded == nnz else rounded / numel  # unrounded: the density as configured
     return densities
 
 
@@ -92,6 +93,6 @@ def density_rounding(cfg: Config) -> tuple[float, float]:
     it and after ``sparse.active_multiple``'s rounding."""
     _, counts = projection_shapes(cfg.model)
     rows = [(counts[role] * before, counts[role] * after, counts[role] * numel)
-            for role, (before, after, numel) in active_counts(cfg).items()]
+            for role, (_, before, after, numel) in active_counts(cfg).items()]
     total = sum(numel for *_, numel in rows)
     return sum(before for before, *_ in rows) / total, sum(after for _, after, _ in rows) / total
