@@ -329,24 +329,19 @@ def test_damaged_checkpoint(runs, tmp_path, case, command):
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
 
 
-def test_shard_of_another_model(runs, tmp_path):
-    dense = trained(runs, "dense", 2, 2, 1)
-    # without the manifest (which would catch the swap first), the files are checked against the model
-    swap = without_manifest(lambda c: shutil.copyfile(dense / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
-    copy = broken_copy(trained(runs, "smet", 2, 2, 1), tmp_path, swap)
+@pytest.mark.parametrize("source,target,message", [
+    (("dense", 2, 2, 1), ("smet", 2, 2, 1), "it has a parameter"),  # names the model has not
+    # the same names with other shapes: a tensor-parallel rank's file in a checkpoint of one rank per model
+    (("dense", 2, 4, 2), ("dense", 2, 2, 1), "its optimizer partitions give"),
+])
+def test_a_model_file_of_another_model(runs, tmp_path, source, target, message):
+    """Without the manifest (which would catch the swap first), the files are checked against the model: one line
+    naming what does not fit, not a failed reshape, and nothing written."""
+    swapped = trained(runs, *source)
+    swap = without_manifest(lambda c: shutil.copyfile(swapped / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
+    copy = broken_copy(trained(runs, *target), tmp_path, swap)
     result = megasparse_here("convert", "consolidate", str(copy), "--out", str(tmp_path / "out"))
-    one_error_line(result, "does not hold the model of its megasparse.json")
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_model_file_of_another_tensor_parallel_degree(runs, tmp_path):
-    """The same parameter names with other shapes (a tensor-parallel rank's file in a checkpoint of one rank per
-    model): one line naming the parameter whose partitions do not fit, not a failed reshape."""
-    split = trained(runs, "dense", 2, 4, 2)
-    swap = without_manifest(lambda c: shutil.copyfile(split / "mp_rank_00_model_states.pt", c / "mp_rank_00_model_states.pt"))
-    copy = broken_copy(trained(runs, "dense", 2, 2, 1), tmp_path, swap)
-    result = megasparse_here("convert", "consolidate", str(copy), "--out", str(tmp_path / "out"))
-    one_error_line(result, "does not hold the model of its megasparse.json (its optimizer partitions give")
+    one_error_line(result, f"does not hold the model of its megasparse.json ({message}")
     assert not (tmp_path / "out").exists()
 
 
