@@ -7,8 +7,12 @@ sequence per data-parallel rank per step) and looks only at the client optimizer
 ZeRO-3 all of its calls in one engine step). The steps after the first are timed (the accelerator
 synchronised before each clock read); the last one is also counted: every ATen operation that is not
 a view (a kernel launch on a GPU: on CUDA the step is a chain of them, and with small factors their
-launch latency, not their arithmetic, sets its time), and every deepspeed.comm collective, by
-process group. Per-rank numbers are rank 0's.
+launch latency, not their arithmetic, sets its time), every deepspeed.comm collective and the bytes of
+its input, by process group, and the FLOPs of its matrix products (torch's FlopCounterMode: Newton-Schulz
+and the power iteration). Per-rank numbers are rank 0's.
+
+    python benchmarks/spectron_step.py --layouts 130m-zero0 130m-dp2-zero1 130m-dp4-zero1 \
+        --out benchmarks/results/spectron_step_work.json
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from common import (REPO, Collectives, Kernels, benchmark_main, clock, markdown_
 LAYOUTS = {  # name: (preset, tensor parallel, data parallel, ZeRO stage)
     "130m-zero0": ("llama-130m", 1, 1, 0),
     "130m-dp2-zero1": ("llama-130m", 1, 2, 1),
+    "130m-dp4-zero1": ("llama-130m", 1, 4, 1),
     "9m-tp2-dp2-zero1": ("llama-9m", 2, 2, 1),
     "9m-dp2-zero3": ("llama-9m", 1, 2, 3),
 }
@@ -53,14 +58,24 @@ def _worker(a: dict, result: Path) -> None:
     trainer = start_trainer(overrides + ["model.layer=lowrank", "optimizer.name=spectron", "training.precision=fp32",
                                          f"parallel.tensor_parallel={a['tp']}", f"parallel.zero_stage={a['zero']}",
                                          f"logging.log_interval={a['steps']}"])
+    from torch.utils.flop_counter import FlopCounterMode
+
     optimizer, step = trainer.optimizer, trainer.optimizer.step
     kernels, collectives = Kernels(), Collectives()
+    groups = {"tensor_parallel": trainer.parallel.tensor_parallel_group, "data_parallel": trainer.dp_group}
+    sent = dict.fromkeys(groups, 0)  # bytes handed to collectives in the counted step, per group
+    flops = [0]  # of the counted step's calls (ZeRO-1/2 call the client step once per parameter group)
     seconds: dict[int, float] = {}  # engine step -> seconds in the client step (ZeRO-3 calls it per sub-group)
 
     def measured_step(*args, **kwargs):
         if trainer.step == a["steps"] - 1:  # the last step (trainer.step counts the finished ones): counted
-            with kernels.mode, collectives.counting():
-                return step(*args, **kwargs)
+            before = {name: collectives.bytes_of(group) for name, group in groups.items()}
+            with kernels.mode, collectives.counting(), FlopCounterMode(display=False) as counter:
+                outcome = step(*args, **kwargs)
+            flops[0] += counter.get_total_flops()
+            for name, group in groups.items():
+                sent[name] += collectives.bytes_of(group) - before[name]
+            return outcome
         start = clock()
         outcome = step(*args, **kwargs)
         if trainer.step > 0:  # the first builds the state
@@ -69,11 +84,11 @@ def _worker(a: dict, result: Path) -> None:
 
     optimizer.step = measured_step
     trainer.run()
-    groups = {"tensor_parallel": trainer.parallel.tensor_parallel_group, "data_parallel": trainer.dp_group}
     if dist.get_rank() == 0:
         result.write_text(json.dumps({
             "factor_pairs": len(optimizer.pairs), "kernels_per_step": kernels.count,
             "collectives_per_step": {name: collectives.of(group) for name, group in groups.items()},
+            "flops_per_step": flops[0], "bytes_per_step": sent,
             "step_seconds_median": statistics.median(seconds.values()), "steps_timed": len(seconds)}))
 
 
@@ -83,6 +98,16 @@ def table(results: list[dict]) -> str:
              f"{r['step_seconds_median'] * 1e3:.1f}"] for r in results]
     return markdown_table(["layout", "pairs", "kernels / step", "TP collectives / step", "DP collectives / step",
                            "step (ms, median)"], "lrrrrr", rows)
+
+
+def work_table(results: list[dict]) -> str:
+    """Per rank per step: the matrix-product FLOPs of the client step and the bytes it hands to collectives."""
+    mb = 2**20
+    rows = [[r["layout"], str(r["dp"]), f"{r['flops_per_step'] / 1e9:.2f}",
+             f"{r['bytes_per_step']['data_parallel'] / mb:.1f}", f"{r['bytes_per_step']['tensor_parallel'] / mb:.2f}",
+             str(r["collectives_per_step"]["data_parallel"])] for r in results]
+    return markdown_table(["layout", "data-parallel ranks", "GFLOP / rank / step", "DP collective input (MiB)",
+                           "TP collective input (MiB)", "DP collectives"], "lrrrrr", rows)
 
 
 def comparison(before: list[dict], after: list[dict]) -> str:
