@@ -120,7 +120,7 @@ MEASURED_AT = {
     "smet_speed_index.json": ("94191a7 (2026-12-02)", "c248d0c"),
     "smet_speed_mask.json": ("94191a7 (2026-12-02)", "306bd18"),
     "smet_speed_index_bf16.json": ("c848523 (2026-12-02)", "c248d0c"),
-    "spectron_step_work.json": ("COMMIT (2026-12-02)", "503aafb"),
+    "spectron_step_work.json": ("f8df1b9 (2026-12-02)", "503aafb"),
     "spectron_ns_precision.json": ("276e7a5 (2026-12-02)", None),
     "smet_speed_mask_bf16.json": ("c848523 (2026-12-02)", "12ac906"),
     "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
