@@ -42,7 +42,7 @@ from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import density_rounding, layer_factory
 from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
-from megasparse.model.placement import DTYPES, built_on, zero3_partition
+from megasparse.model.placement import DTYPES, built_on, partitions_as_built, zero3_partition
 from megasparse.optim.partitions import optimizer_fragments
 from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
@@ -182,7 +182,8 @@ class Trainer:
         factorise = SharedFactorisation()
         # onto the device in the training precision as it is built: the host never holds the whole fp32 model,
         # and at ZeRO-3 the device holds its partitions and one module whole
-        partition = zero3_partition(self.ds_config, parallel) if cfg.parallel.zero_stage == 3 else None
+        as_built = cfg.parallel.zero_stage == 3 and partitions_as_built()
+        partition = zero3_partition(self.ds_config, parallel) if as_built else None
         layers = layer_factory(cfg, tp, factorise)
         with built_on(get_accelerator().current_device_name(), DTYPES[t.precision], partition):
             model = Llama(cfg.model, self.data.vocab_size, layers)
