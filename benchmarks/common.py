@@ -92,13 +92,15 @@ def start_trainer(overrides: list[str]):
 
 
 COLLECTIVES = ("reduce", "all_reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor",
-               "allgather_fn", "all_gather", "broadcast", "inference_all_reduce")
-INPUT_SECOND = ("reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor", "allgather_fn")  # (output, input)
+               "allgather_fn", "all_gather", "broadcast", "inference_all_reduce", "all_to_all_single")
+INPUT_SECOND = ("reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor", "allgather_fn",
+                "all_to_all_single")  # (output, input)
 
 
 class Collectives:
     """Counts every collective called through deepspeed.comm (megasparse and DeepSpeed both communicate only
-    through it): the bytes of its input tensor, in total and per process group, and, inside
+    through it): the bytes of its input tensor, in total and per process group, the bytes of its output tensor
+    (what the rank receives; the input itself for an in-place collective) per process group, and, inside
     :meth:`counting` blocks, the calls per process group."""
 
     def __init__(self) -> None:
@@ -106,6 +108,7 @@ class Collectives:
 
         self.total = 0
         self.by_group: dict[int, int] = {}
+        self.received: dict[int, int] = {}
         self.calls: dict[int, int] = {}
         self._counting_calls = False
         for name in COLLECTIVES:
@@ -121,6 +124,7 @@ class Collectives:
                 size = tensors[input_position].numel() * tensors[input_position].element_size()
                 self.total += size
                 self.by_group[group] = self.by_group.get(group, 0) + size
+                self.received[group] = self.received.get(group, 0) + tensors[0].numel() * tensors[0].element_size()
             if self._counting_calls:
                 self.calls[group] = self.calls.get(group, 0) + 1
             return function(*args, **kwargs)
@@ -128,6 +132,9 @@ class Collectives:
 
     def bytes_of(self, group) -> int:
         return self.by_group.get(id(group), 0)
+
+    def received_by(self, group) -> int:
+        return self.received.get(id(group), 0)
 
     @contextlib.contextmanager
     def counting(self):

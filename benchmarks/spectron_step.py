@@ -13,6 +13,9 @@ and the power iteration). Per-rank numbers are rank 0's.
 
     python benchmarks/spectron_step.py --layouts 130m-zero0 130m-dp2-zero1 130m-dp4-zero1 \
         --out benchmarks/results/spectron_step_work.json
+
+The last two counts are also kept per rank (``flops_per_step_by_rank``) and as received bytes (a
+collective's output tensor, ``bytes_received_per_step``).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ def _run(args: argparse.Namespace) -> None:
 
 def _worker(a: dict, result: Path) -> None:
     import deepspeed.comm as dist
+    import torch
 
     overrides = short_run_overrides(a["preset"], a["data"], 64, a["steps"], 1, a["dp"], result.parent / "run")
     trainer = start_trainer(overrides + ["model.layer=lowrank", "optimizer.name=spectron", "training.precision=fp32",
@@ -64,17 +68,20 @@ def _worker(a: dict, result: Path) -> None:
     kernels, collectives = Kernels(), Collectives()
     groups = {"tensor_parallel": trainer.parallel.tensor_parallel_group, "data_parallel": trainer.dp_group}
     sent = dict.fromkeys(groups, 0)  # bytes handed to collectives in the counted step, per group
+    received = dict.fromkeys(groups, 0)  # bytes they returned to this rank
     flops = [0]  # of the counted step's calls (ZeRO-1/2 call the client step once per parameter group)
     seconds: dict[int, float] = {}  # engine step -> seconds in the client step (ZeRO-3 calls it per sub-group)
 
     def measured_step(*args, **kwargs):
         if trainer.step == a["steps"] - 1:  # the last step (trainer.step counts the finished ones): counted
-            before = {name: collectives.bytes_of(group) for name, group in groups.items()}
+            before = {name: (collectives.bytes_of(group), collectives.received_by(group))
+                      for name, group in groups.items()}
             with kernels.mode, collectives.counting(), FlopCounterMode(display=False) as counter:
                 outcome = step(*args, **kwargs)
             flops[0] += counter.get_total_flops()
             for name, group in groups.items():
-                sent[name] += collectives.bytes_of(group) - before[name]
+                sent[name] += collectives.bytes_of(group) - before[name][0]
+                received[name] += collectives.received_by(group) - before[name][1]
             return outcome
         start = clock()
         outcome = step(*args, **kwargs)
@@ -84,11 +91,13 @@ def _worker(a: dict, result: Path) -> None:
 
     optimizer.step = measured_step
     trainer.run()
+    every_rank = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(every_rank, flops[0])
     if dist.get_rank() == 0:
         result.write_text(json.dumps({
             "factor_pairs": len(optimizer.pairs), "kernels_per_step": kernels.count,
             "collectives_per_step": {name: collectives.of(group) for name, group in groups.items()},
-            "flops_per_step": flops[0], "bytes_per_step": sent,
+            "flops_per_step": flops[0], "flops_per_step_by_rank": every_rank, "bytes_per_step": sent, "bytes_received_per_step": received,
             "step_seconds_median": statistics.median(seconds.values()), "steps_timed": len(seconds)}))
 
 
@@ -100,14 +109,24 @@ def table(results: list[dict]) -> str:
                            "step (ms, median)"], "lrrrrr", rows)
 
 
-def work_table(results: list[dict]) -> str:
-    """Per rank per step: the matrix-product FLOPs of the client step and the bytes it hands to collectives."""
-    mb = 2**20
-    rows = [[r["layout"], str(r["dp"]), f"{r['flops_per_step'] / 1e9:.2f}",
-             f"{r['bytes_per_step']['data_parallel'] / mb:.1f}", f"{r['bytes_per_step']['tensor_parallel'] / mb:.2f}",
-             str(r["collectives_per_step"]["data_parallel"])] for r in results]
-    return markdown_table(["layout", "data-parallel ranks", "GFLOP / rank / step", "DP collective input (MiB)",
-                           "TP collective input (MiB)", "DP collectives"], "lrrrrr", rows)
+def work_table(before: list[dict], after: list[dict]) -> str:
+    """Per rank per step, before and after: the matrix-product FLOPs of the client step (the most any rank did)
+    and the bytes the step hands to data-parallel collectives and receives from them, with their number."""
+    def flops(r: dict) -> str:
+        return f"{max(r['flops_per_step_by_rank']) / 1e9:.1f}"
+
+    def mib(r: dict, key: str) -> str:
+        return f"{r[key]['data_parallel'] / 2**20:.1f}"
+
+    rows = []
+    for b, a in zip(before, after, strict=True):
+        assert b["layout"] == a["layout"], (b["layout"], a["layout"])
+        rows.append([a["layout"], str(a["dp"]), f"{flops(b)} → {flops(a)}",
+                     f"{mib(b, 'bytes_per_step')} → {mib(a, 'bytes_per_step')}",
+                     f"{mib(b, 'bytes_received_per_step')} → {mib(a, 'bytes_received_per_step')}",
+                     f"{b['collectives_per_step']['data_parallel']} → {a['collectives_per_step']['data_parallel']}"])
+    return markdown_table(["layout", "data-parallel ranks", "GFLOP / step (busiest rank)", "DP bytes handed (MiB)",
+                           "DP bytes received (MiB)", "DP collectives"], "lrrrrr", rows)
 
 
 def comparison(before: list[dict], after: list[dict]) -> str:

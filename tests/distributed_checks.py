@@ -177,14 +177,16 @@ def spectron_step_collectives(tp: TensorParallel) -> float:
 def spectron_step_partitioned(tp: TensorParallel) -> float:
     """The tensor-parallel group taken as two data-parallel ranks holding ZeRO-1/2-like partitions: the factors
     of two unsplit layer pairs flattened in order into one buffer, padded to even and halved, so a factor spans
-    the boundary. Two steps on the partitions, the directions assembled by one all-gather per step, equal two
-    steps of one process on the whole factors (the weights each partition holds, and the all-gather count)."""
+    the boundary. Two steps on the partitions, each factor orthogonalised by its owner rank (its pieces sent
+    there and its update sent back by one all-to-all each, the power iteration's results shared by one
+    all-reduce, per step), equal two steps of one process on the whole factors (the weights each partition
+    holds, the collectives per step, and each rank's share of the Newton-Schulz work: half)."""
     return _spectron_step_on_partitions(tp, 0.5, padded=True)
 
 
 def spectron_step_unequal_partitions(tp: TensorParallel) -> float:
     """The same with partitions of different lengths (rank 0 holds 70 % of the buffer, unpadded), as ZeRO-3's
-    sub-groups can leave them: the all-gather pads each rank's tensor to the longest."""
+    sub-groups can leave them."""
     return _spectron_step_on_partitions(tp, 0.7, padded=False)
 
 
@@ -214,9 +216,11 @@ def _spectron_step_on_partitions(tp: TensorParallel, share: float, padded: bool)
     reference.attach(factor_pairs(whole), lambda p: [Fragment(p, 0, 0, p.numel())])
     optimizer = _spectron([{"params": [owner], "spectron": True}])
     optimizer.attach(factor_pairs(split), fragments, tp.group, partitioned=True)
-    gathers = []
-    allgather = dist.allgather_fn
-    dist.allgather_fn = lambda *args, **kwargs: gathers.append(1) or allgather(*args, **kwargs)
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "allgather_fn")}
+    for name, function in originals.items():
+        setattr(dist, name, lambda *args, name=name, function=function, **kwargs:
+                calls.append((name, kwargs.get("group"))) or function(*args, **kwargs))
     try:
         for step in range(2):
             _random_gradients(list(whole.parameters()), seed=step)
@@ -226,11 +230,19 @@ def _spectron_step_on_partitions(tp: TensorParallel, share: float, padded: bool)
             for param, updated in zip(params, whole.parameters()):  # DeepSpeed's copy back to the module
                 param.data.copy_(updated.detach())
     finally:
-        dist.allgather_fn = allgather
+        for name, function in originals.items():
+            setattr(dist, name, function)
     expected = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
     error = max(relative(owner.detach()[f.offset:f.offset + f.numel], expected[offsets[i] + f.start:][:f.numel])
                 for i, p in enumerate(params) for f in fragments(p))
-    return error + abs(len(gathers) - 2)
+    per_step = {name: sum(call == (name, tp.group) for call in calls) / 2 for name in originals}
+    owned = torch.tensor([sum(map(len, optimizer.owned_batches)), len(optimizer.exchange.owned)])
+    every = owned.clone()
+    dist.all_reduce(every, group=tp.group)
+    factors = sum(map(len, optimizer.batches))
+    shared = owned[0] > 0 and owned[0] == owned[1] and every[0] == factors
+    return error + abs(per_step["all_to_all_single"] - 2) + abs(per_step["all_reduce"] - 1) \
+        + per_step["allgather_fn"] + abs(len(calls) - 6) + (0 if shared else 1)
 
 
 def shared_factorisation(tp: TensorParallel) -> float:

@@ -20,8 +20,8 @@ TOLERANCES = {
     "power_iteration_converges": 1e-4,  # against torch.linalg.matrix_norm(X, 2)
     "newton_schulz_split": 1e-5,   # Newton-Schulz through the all-reduced r x r Gram matrix
     "spectron_step_collectives": 0,  # all-reduces per step: 6 per split batch of factors, not per layer
-    "spectron_step_partitioned": 1e-6,  # the step on ZeRO-1/2-like partitions, one all-gather per step
-    "spectron_step_unequal_partitions": 1e-6,  # the same on partitions of different lengths (padded in the gather)
+    "spectron_step_partitioned": 1e-6,  # the step on ZeRO-1/2-like partitions, each factor on one owner rank
+    "spectron_step_unequal_partitions": 1e-6,  # the same on partitions of different lengths
     "shared_factorisation": 0,     # the SVDs shared out over the ranks and broadcast: the same factors
     "zero3_build": 0,              # partitioned as built: the same weights, under 0.6 of the model held at once
     "group_timeouts": 0,           # the groups' collective timeout is the configured one

@@ -31,9 +31,8 @@ batch (:func:`factor_batches`: a projection's factors in every layer share one, 
 one shape and split, such as q, k, v and o at TP 1 without grouped-query attention), with batched matrix
 products, so its kernels and collectives do not grow with depth: the pairs' rates rho come from
 their sigmas by one index-add, and the updates go back into this rank's pieces with ``_foreach`` ops.
-The price is transient memory: every batch's whole weights and directions exist at once during the step
-(at ZeRO-1/2/3 with the all-gather's buffer of every rank's partition), where the per-pair step held one
-factor's at a time.
+The price is transient memory: every owned factor's whole weights and directions exist at once during the
+step, where the per-pair step held one factor's at a time.
 
 Placement. The factors of a tensor-parallel layer are split over the tensor-parallel group
 (A by rows in a column-parallel layer, B by columns in a row-parallel one); Newton-Schulz and
@@ -41,14 +40,25 @@ the power iteration run on the shards and all-reduce only r x r Gram matrices, r
 scalars (see linalg.py): per split batch, one all-reduce per power iteration and one per
 Newton-Schulz iteration. Under ZeRO-1/2 DeepSpeed hands this optimizer flat partitions that cut
 through the factors; the momentum is kept per partition (so it partitions, checkpoints and
-reshards like Adam's moments), and before orthogonalising the whole momenta are assembled from
-all data-parallel ranks' partitions by one all-gather per step (:class:`PartitionGather`):
-Newton-Schulz always sees the whole, fully reduced factor, never a partition. Under ZeRO-3 the
-same holds for its sub-group's flat partition, and the power iteration runs on the whole
-factors, gathered from their fp32 master partitions in the same all-gather; DeepSpeed steps a
-ZeRO-3 optimizer once per sub-group, so every factor must lie in one (checked by
-:meth:`Spectron.attach`). The gradient DeepSpeed hands over is already reduced over
-data-parallel ranks and clipped, so clipping precedes orthogonalisation.
+reshards like Adam's moments). Each factor has one owner among the data-parallel ranks, chosen
+once so that every rank's Newton-Schulz work is within one factor's of 1/N of the whole
+(:func:`~megasparse.optim.partitions.balanced_owners`). Per step, by :class:`OwnerExchange`:
+one all-to-all sends every rank's pieces of each momentum direction to its owner, in the
+Newton-Schulz dtype; the owner runs the power iteration and Newton-Schulz on its whole factors
+(Newton-Schulz always sees the whole, fully reduced factor, never a partition); one all-reduce of
+every factor's sigma and power vector (zero from the ranks that do not own it, so the sum is exact)
+gives every rank the same vectors and rates; one all-to-all sends each owner's scaled updates back
+to the ranks holding the pieces, in the Newton-Schulz dtype (exact for its output, which has that
+precision; rounding its product with the rate to bf16 adds at most 2^-8 relative). Each rank thus does
+about 1/N of the step's products and hands on and receives about 2/N of the factor elements, where
+an all-gather of every partition received all of them. Under ZeRO-3 the same holds for its
+sub-group's flat partition, and the owner's power iteration runs on the whole factors, sent with
+the directions from their master partitions (in the wider of the Newton-Schulz and training
+dtypes); DeepSpeed steps a ZeRO-3 optimizer once per sub-group, so every factor must lie in one
+(checked by :meth:`Spectron.attach`). At ZeRO-0 every rank holds the whole factors and gradients
+and steps them all, with no collective (splitting there would add a gather of every update). The
+gradient DeepSpeed hands over is already reduced over data-parallel ranks and clipped, so clipping
+precedes orthogonalisation.
 
 State layout. As with SMET, every parameter has the same state keys (``None`` where a key does
 not apply) and the power-iteration vectors are a nested dict, not a state tensor, because
@@ -59,9 +69,11 @@ from __future__ import annotations
 
 import math
 import zlib
+from itertools import accumulate
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import deepspeed.comm as dist
 import torch
 from torch import nn
 
@@ -69,7 +81,7 @@ from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.optim.adamw import adamw_update
-from megasparse.optim.partitions import Fragment, PartitionGather, full_shape
+from megasparse.optim.partitions import Fragment, OwnerExchange, balanced_owners, full_shape
 from megasparse.parallel.mappings import TensorParallel
 
 
@@ -142,20 +154,33 @@ class Spectron(torch.optim.Optimizer):
     def attach(self, pairs: list[FactorPair], fragments: Callable[[nn.Parameter], list[Fragment]],
                dp_group=None, partitioned: bool = False) -> None:
         """Bind the factor pairs to this rank's optimizer tensors (after ``deepspeed.initialize``; collective
-        when ``partitioned``: the factors are split over data-parallel ranks, ZeRO-1/2/3)."""
+        when ``partitioned``: the factors are split over data-parallel ranks, ZeRO-1/2/3, and each is given an
+        owner rank that orthogonalises it, :func:`~megasparse.optim.partitions.balanced_owners` by its
+        Newton-Schulz cost, rows x cols x min(rows, cols))."""
         self.pairs, self.fragments = pairs, fragments
         self.batches = factor_batches(pairs, self.shape_scale and self.orthogonalise)
         factors = [factor for batch in self.batches for factor in batch]
-        owners = {id(f.owner) for factor in factors for f in fragments(factor.param)}
-        if partitioned and len(owners) > 1:  # ZeRO-0 holds each factor itself; ZeRO-1/2 one flat tensor per group
+        holders = {id(f.owner) for factor in factors for f in fragments(factor.param)}
+        if partitioned and len(holders) > 1:  # ZeRO-0 holds each factor itself; ZeRO-1/2 one flat tensor per group
             raise UserError("spectron: the low-rank factors fall into several ZeRO-3 sub-groups, which DeepSpeed "
                             "steps one at a time; raise deepspeed.zero_optimization.sub_group_size above their "
                             "number of elements per rank")
-        self._index = {id(f.param): i for i, f in enumerate(factors)}  # a factor's place in the gather
-        self.gather = PartitionGather([f.param for f in factors], fragments, dp_group) if partitioned else None
+        self.exchange = None
+        owned = range(len(factors))
+        if partitioned:
+            costs = [math.prod(full_shape(f.param)) * min(full_shape(f.param)) for f in factors]
+            owners = balanced_owners(costs, dist.get_world_size(group=dp_group))
+            self.exchange = OwnerExchange([f.param for f in factors], fragments, dp_group, owners)
+            owned = self.exchange.owned
+        starts = list(accumulate([len(batch) for batch in self.batches], initial=0))
+        self.owned_batches = [[(i, factors[i]) for i in owned if start <= i < end]  # (index in ``factors``, factor)
+                              for start, end in zip(starts, starts[1:])]
         device = pairs[0].layer.A.device if pairs else None
         self._pair_of = torch.tensor([f.pair for f in factors], device=device)
         self._scales = torch.tensor([f.scale for f in factors], device=device)
+        self._owned = torch.tensor(list(owned), dtype=torch.int64, device=device)
+        self._in_batch = [torch.tensor([i - start for i, _ in batch], dtype=torch.int64, device=device)
+                          for batch, start in zip(self.owned_batches, starts)]
 
     # ------------------------------------------------------------------ the step
 
@@ -198,64 +223,86 @@ class Spectron(torch.optim.Optimizer):
         return (m / (1 - beta1**t)).div_(denom)
 
     def _step_factors(self, group: dict) -> None:
-        """All factors at once, batch by batch (:func:`factor_batches`): power iteration on the weights, the
-        pairs' rates rho from their sigmas, Newton-Schulz on the directions, the update of this rank's pieces."""
+        """The factors this rank owns (all of them below ZeRO-1), batch by batch (:func:`factor_batches`): the
+        power iteration on their weights, the results shared over the data-parallel ranks (one all-reduce of
+        every factor's sigma and vector, zero where another rank owns it), the pairs' rates rho from all sigmas,
+        Newton-Schulz on the owned directions, their updates sent to the ranks holding the factors' pieces, and
+        each rank's pieces updated."""
         lr, decay = group["lr"], group["weight_decay"]
-        weights, directions = self._whole_factors()
+        weights, directions = self._owned_inputs()
         vectors = self._power_vectors()
-        sigmas = []
-        for batch, weight in zip(self.batches, weights):
-            start = torch.stack([vectors[self.pairs[f.pair].name][f.which] for f in batch])
-            sigma, end = power_iteration(weight, start, batch[0].tp, batch[0].wide)
-            for f, v in zip(batch, end.unbind()):
-                vectors[self.pairs[f.pair].name][f.which] = v
-            sigmas.append(sigma)
+        powers = [torch.zeros(len(batch), 1 + full_shape(batch[0].param)[0 if batch[0].wide else 1],
+                              device=self._pair_of.device) for batch in self.batches]  # [sigma, v] per factor
+        for owned, weight, power, place in zip(self.owned_batches, weights, powers, self._in_batch):
+            if owned:
+                start = torch.stack([vectors[self.pairs[f.pair].name][f.which] for _, f in owned])
+                sigma, end = power_iteration(weight, start, owned[0][1].tp, owned[0][1].wide)
+                power.index_copy_(0, place, torch.cat([sigma[:, None], end], dim=1))
         del weights
-        pair_sigmas = torch.zeros(len(self.pairs), device=self._pair_of.device).index_add_(0, self._pair_of,
-                                                                                           torch.cat(sigmas))
+        if self.exchange is not None:
+            shared = torch.cat([power.view(-1) for power in powers])
+            dist.all_reduce(shared, group=self.exchange.group)
+            powers = [part.view_as(power) for part, power in zip(shared.split([p.numel() for p in powers]), powers)]
+        for batch, power in zip(self.batches, powers):
+            for f, v in zip(batch, power[:, 1:].unbind()):
+                vectors[self.pairs[f.pair].name][f.which] = v
+        sigmas = torch.cat([power[:, 0] for power in powers])
+        pair_sigmas = torch.zeros(len(self.pairs), device=sigmas.device).index_add_(0, self._pair_of, sigmas)
         self.spectral_norms = dict(zip((pair.name for pair in self.pairs), pair_sigmas.unbind()))
         rho = lr / (pair_sigmas + 1.0) if self.renormalise else torch.full_like(pair_sigmas, lr)  # on the device
-        coefficients = (rho[self._pair_of] * self._scales).split([len(batch) for batch in self.batches])
-        pieces, steps = [], []
-        for batch, direction, coefficient in zip(self.batches, directions, coefficients):
-            if self.orthogonalise:
-                direction = newton_schulz(direction, batch[0].tp, self.ns_steps, wide=batch[0].wide,
+        coefficients = (rho[self._pair_of] * self._scales)[self._owned].split(list(map(len, self.owned_batches)))
+        results = []
+        for owned, direction, coefficient in zip(self.owned_batches, directions, coefficients):
+            if owned and self.orthogonalise:
+                direction = newton_schulz(direction, owned[0][1].tp, self.ns_steps, wide=owned[0][1].wide,
                                           dtype=self.ns_dtype)
-            update = direction.mul_(coefficient[:, None, None])  # a fresh tensor either way
-            for f, flat in zip(batch, update.view(len(batch), -1)):
+            if owned:
+                results += direction.mul_(coefficient[:, None, None]).view(len(owned), -1).unbind()  # fresh tensors
+        if self.exchange is None:
+            pieces, steps = [], []
+            for (_, f), flat in zip((item for owned in self.owned_batches for item in owned), results):
                 for fragment in self.fragments(f.param):
                     pieces.append(fragment.owner.view(-1)[fragment.offset:fragment.offset + fragment.numel])
                     steps.append(flat[fragment.start:fragment.start + fragment.numel])
+        else:
+            received = self.exchange.from_owners(results, self.ns_dtype)
+            flat = self.exchange.owner.view(-1) if received else None
+            pieces = [flat[offset:offset + step.numel()] for offset, step in received]
+            steps = [step.float() for _, step in received]
         if pieces and decay:
             torch._foreach_mul_(pieces, 1 - lr * decay)
         if pieces:
             torch._foreach_sub_(pieces, steps)
 
-    def _whole_factors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per batch, its factors' weights and momentum directions, whole (each B x rows x cols, in the factors'
-        own layout, of this rank's tensor-parallel shard): below ZeRO-3 the weights are the module's copies; the
-        directions of partitioned factors, and at ZeRO-3 the fp32 master weights, come from every data-parallel
-        rank's partition by one all-gather (:class:`PartitionGather`). Not gathered through DeepSpeed: inside the
-        optimizer step, DeepSpeed before 0.19.8 trains on wrong values after a ``GatheredParameters`` there
-        (found by the lowest-version tests)."""
-        def stacked(flat_pieces: Callable[[Factor], list[torch.Tensor]]) -> list[torch.Tensor]:
-            """Per batch, its factors' elements (``flat_pieces(f)``: 1-D, in order) back to back, as B x rows x cols."""
-            return [torch.cat([piece for f in batch for piece in flat_pieces(f)]).view(len(batch),
-                                                                                    *full_shape(batch[0].param))
-                    for batch in self.batches]
+    def _owned_inputs(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per batch, the weights and momentum directions of the factors this rank owns, whole (each
+        B x rows x cols, in the factors' own layout, of this rank's tensor-parallel shard; None where it owns
+        none of the batch): below ZeRO-3 the weights are the module's copies; the directions of partitioned
+        factors, and at ZeRO-3 the master weights, come from every data-parallel rank's pieces by one all-to-all
+        (:class:`~megasparse.optim.partitions.OwnerExchange`), in the Newton-Schulz dtype (the weights in the
+        wider of it and the training dtype). Not gathered through DeepSpeed: inside the optimizer step,
+        DeepSpeed before 0.19.8 trains on wrong values after a ``GatheredParameters`` there (found by the
+        lowest-version tests)."""
+        def stacked(flat_pieces: Callable[[int, Factor], list[torch.Tensor]]) -> list[torch.Tensor | None]:
+            """Per batch, its owned factors' elements (``flat_pieces(i, f)``: 1-D, in order) back to back, as
+            B x rows x cols."""
+            return [torch.cat([piece for i, f in owned for piece in flat_pieces(i, f)]).view(
+                len(owned), *full_shape(owned[0][1].param)) if owned else None for owned in self.owned_batches]
 
-        def module_copy(f: Factor) -> list[torch.Tensor]:
+        def module_copy(_: int, f: Factor) -> list[torch.Tensor]:
             return [f.param.detach().reshape(-1)]
 
-        if self.gather is None:  # ZeRO-0: the optimizer holds the parameters themselves
-            return stacked(module_copy), stacked(lambda f: [self._directions[id(f.param)].reshape(-1)])
-        owner = self.gather.owner
-        direction = None if owner is None else self._directions[id(owner)]
+        if self.exchange is None:  # ZeRO-0: the optimizer holds the parameters themselves
+            return stacked(module_copy), stacked(lambda _, f: [self._directions[id(f.param)].reshape(-1)])
+        flat = self.exchange.owner
+        direction = None if flat is None else self._directions[id(flat)]
         if not hasattr(self.batches[0][0].param, "ds_tensor"):  # ZeRO-1/2
-            gathered = self.gather.gather(direction)[0]
-            return stacked(module_copy), stacked(lambda f: self.gather.pieces(gathered, self._index[id(f.param)]))
-        gathered = self.gather.gather(owner, direction)  # (weights, directions)
-        return tuple(stacked(lambda f, g=g: self.gather.pieces(g, self._index[id(f.param)])) for g in gathered)
+            (received,) = self.exchange.to_owners([direction], self.ns_dtype)
+            directions = dict(zip(self.exchange.owned, received))
+            return stacked(module_copy), stacked(lambda i, _: directions[i])
+        dtype = torch.promote_types(self.ns_dtype, self.batches[0][0].param.dtype)
+        received = self.exchange.to_owners([flat, direction], dtype)  # (weights, directions)
+        return tuple(stacked(lambda i, _, pieces=dict(zip(self.exchange.owned, r)): pieces[i]) for r in received)
 
     def _power_vectors(self) -> dict[str, list[torch.Tensor]]:
         """Per pair, its factors' right singular-vector estimates (r each), kept across steps; seeded by its name."""

@@ -22,6 +22,7 @@ elementwise state for them sits at the same offsets of ``optimizer.state[owner]`
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 from dataclasses import dataclass
 
 import deepspeed.comm as dist
@@ -88,68 +89,91 @@ def _zero3_offsets(zero3_optimizer) -> dict[int, tuple[int, int]]:
     return _OFFSETS[zero3_optimizer]
 
 
-class PartitionGather:
-    """Whole parameters on every data-parallel rank, from the one flat optimizer tensor per rank that holds their
-    partitions (ZeRO-1/2: a group's partition; ZeRO-3: a sub-group's).
+def balanced_owners(costs: list[float], ranks: int) -> list[int]:
+    """An owner rank for each item, in order: each goes to the rank with the least cost so far (the lowest such
+    rank on a tie), so every rank's total is within one item's cost of the mean. The same on every rank."""
+    loads, owners = [0.0] * ranks, []
+    for cost in costs:
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[rank] += cost
+        owners.append(rank)
+    return owners
 
-    :meth:`gather` all-gathers every rank's flat tensor, or tensors laid out like it (optimizer state), in one
-    collective: the ranks' tensors back to back, each padded to the longest. :meth:`pieces` reads one parameter
-    out of the result as a list of 1-D views in element order: a single view where its pieces lie back to back
-    (ZeRO-1/2 cut one flat buffer of the group, in order, into equal partitions), else one per rank holding a
-    piece (ZeRO-3 cuts every parameter on its own). Building it is collective too: every rank's fragments of
-    every parameter are exchanged once."""
 
-    def __init__(self, params: list[torch.Tensor], fragments, group) -> None:
-        owners = {id(f.owner): f.owner for p in params for f in fragments(p)}
-        if len(owners) > 1 or any(len(fragments(p)) > 1 for p in params):
-            raise ValueError("PartitionGather needs every parameter in one flat tensor per rank, one piece each")
-        self.owner = next(iter(owners.values()), None)
-        self.group, self.size = group, dist.get_world_size(group=group)
+class OwnerExchange:
+    """Parameters held in pieces by the data-parallel ranks (one flat optimizer tensor per rank, as ZeRO-1/2/3
+    hand the client optimizer), each sent whole to one owner rank, and the owners' results sent back in pieces.
+
+    :meth:`to_owners` sends every rank's pieces of a parameter, read from tensors laid out like this rank's flat
+    tensor (optimizer state), to the parameter's owner in one all-to-all. :meth:`from_owners` sends each owner's
+    whole results back to the ranks holding the pieces, in one all-to-all. Each way a rank hands on and receives
+    about 1/N of the parameters' elements (its pieces, the parameters it owns), where an all-gather of every
+    partition hands each rank all of them. Building the exchange is collective: every rank's pieces of every
+    parameter are made known to all once."""
+
+    def __init__(self, params: list[torch.Tensor], fragments, group, owners: list[int]) -> None:
+        held = {id(f.owner): f.owner for p in params for f in fragments(p)}
+        if len(held) > 1 or any(len(fragments(p)) > 1 for p in params):
+            raise ValueError("OwnerExchange needs every parameter in one flat tensor per rank, one piece each")
+        self.owner = next(iter(held.values()), None)  # this rank's flat tensor (None where it holds no piece)
+        self.group, size, rank = group, dist.get_world_size(group=group), dist.get_rank(group=group)
         device = get_accelerator().current_device_name()
+        self.device = device if self.owner is None else self.owner.device
         table = [[f.offset, f.start, f.numel] for p in params for f in fragments(p) or [Fragment(None, 0, 0, 0)]]
-        table.append([0 if self.owner is None else self.owner.numel(), 0, 0])
         local = torch.tensor(table, dtype=torch.int64, device=device)
-        every = torch.empty(self.size * local.numel(), dtype=torch.int64, device=device)
+        every = torch.empty(size * local.numel(), dtype=torch.int64, device=device)
         dist.allgather_fn(every, local.view(-1), group=group)  # flat: gloo gathers into a list of chunks
-        every = every.view(self.size, *local.shape).tolist()
-        self.length = max(rank[-1][0] for rank in every)
-        self.shapes = [full_shape(p) for p in params]
-        self._spans = [self._spans_of(i, every) for i in range(len(params))]
+        every = every.view(size, *local.shape).tolist()  # rank -> parameter -> [offset, start, numel]
+        self.owned = [i for i, o in enumerate(owners) if o == rank]  # the parameters this rank receives whole
+        # this rank's pieces, by owner in rank order, as (offset in its flat tensor, numel): sent to the owners
+        # in this order, and received back from them in it
+        self._pieces = [[(every[rank][i][0], every[rank][i][2]) for i in range(len(params))
+                         if owners[i] == r and every[rank][i][2]] for r in range(size)]
+        # every rank's pieces of the parameters this rank owns, by rank, as (owned index, start, numel): received
+        # from the ranks in this order, and sent back to them in it
+        self._held = [[(k, every[r][i][1], every[r][i][2]) for k, i in enumerate(self.owned) if every[r][i][2]]
+                      for r in range(size)]
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in self.owned]
+        position = 0
+        for held in self._held:
+            for k, start, numel in held:
+                spans[k].append((start, position, numel))
+                position += numel
+        self._spans = []  # per owned parameter: its pieces as (position among those received, numel), in order
+        for k, i in enumerate(self.owned):
+            pieces = sorted(spans[k])
+            starts = list(accumulate([numel for *_, numel in pieces], initial=0))
+            if [start for start, *_ in pieces] != starts[:-1] or starts[-1] != full_shape(params[i]).numel():
+                raise AssertionError("the ranks' pieces of a parameter do not cover it")
+            self._spans.append([(position, numel) for _, position, numel in pieces])
 
-    def _spans_of(self, index: int, every: list) -> list[tuple[int, int]]:
-        """(position in the gathered tensor, numel) of parameter ``index``'s pieces in element order, merged
-        where they touch."""
-        pieces = sorted((rank[index][1], r * self.length + rank[index][0], rank[index][2])
-                        for r, rank in enumerate(every) if rank[index][2] > 0)
-        spans: list[list[int]] = []
-        expected = 0
-        for start, position, numel in pieces:
-            assert start == expected, "the ranks' pieces of a parameter do not cover it"
-            if spans and spans[-1][0] + spans[-1][1] == position:
-                spans[-1][1] += numel
-            else:
-                spans.append([position, numel])
-            expected += numel
-        assert expected == self.shapes[index].numel(), "the ranks' pieces of a parameter do not cover it"
-        return [(position, numel) for position, numel in spans]
+    def to_owners(self, sources: list[torch.Tensor | None], dtype: torch.dtype) -> list[list[list[torch.Tensor]]]:
+        """``sources`` (laid out like this rank's flat tensor; None on a rank that holds none), in ``dtype``, at
+        their parameters' owners, in one all-to-all: per source, per owned parameter (in the order of
+        :attr:`owned`), its elements in order as a list of 1-D views. Each piece travels with the same piece of
+        every source after it, so a piece at position p of n elements lies at count p + k n for source k."""
+        count = len(sources)
+        send = [source.reshape(-1)[offset:offset + numel] for pieces in self._pieces for offset, numel in pieces
+                for source in sources]
+        received = self._all_to_all(send, [count * sum(n for _, n in pieces) for pieces in self._pieces],
+                                    [count * sum(n for *_, n in held) for held in self._held], dtype)
+        return [[[received[count * position + k * numel:][:numel] for position, numel in spans]
+                 for spans in self._spans] for k in range(count)]
 
-    def gather(self, *sources: torch.Tensor | None) -> list[torch.Tensor]:
-        """Each of ``sources`` (laid out like this rank's flat tensor; None on a rank that holds none) from every
-        rank, back to back: one all-gather for all of them."""
-        device = get_accelerator().current_device_name() if self.owner is None else self.owner.device
-        first = sources[0]
-        if len(sources) == 1 and first is not None and first.numel() == self.length and first.dtype == torch.float32:
-            send = first.reshape(1, -1)  # sent as it is
-        else:
-            send = torch.zeros(len(sources), self.length, dtype=torch.float32, device=device)
-            for k, source in enumerate(sources):
-                if source is not None:
-                    send[k, :source.numel()] = source.reshape(-1)
-        received = torch.empty(self.size * send.numel(), dtype=torch.float32, device=device)
-        dist.allgather_fn(received, send.view(-1), group=self.group)
-        received = received.view(self.size, len(sources), self.length)
-        return [received[:, k].reshape(-1) for k in range(len(sources))]
+    def from_owners(self, results: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
+        """Each owned parameter's whole result (1-D, in the order of :attr:`owned`), in ``dtype``, at the ranks
+        holding its pieces, in one all-to-all: this rank's pieces of every parameter as (offset in this rank's
+        flat tensor, values)."""
+        send = [results[k][start:start + numel] for held in self._held for k, start, numel in held]
+        received = self._all_to_all(send, [sum(n for *_, n in held) for held in self._held],
+                                    [sum(n for _, n in pieces) for pieces in self._pieces], dtype)
+        pieces = [piece for by_owner in self._pieces for piece in by_owner]
+        positions = accumulate([numel for _, numel in pieces], initial=0)
+        return [(offset, received[position:position + numel]) for (offset, numel), position in zip(pieces, positions)]
 
-    def pieces(self, gathered: torch.Tensor, index: int) -> list[torch.Tensor]:
-        """Parameter ``index``'s elements in order, as views of a tensor :meth:`gather` returned."""
-        return [gathered[position:position + numel] for position, numel in self._spans[index]]
+    def _all_to_all(self, send: list[torch.Tensor], send_sizes: list[int], receive_sizes: list[int],
+                    dtype: torch.dtype) -> torch.Tensor:
+        send = torch.cat(send).to(dtype) if send else torch.empty(0, dtype=dtype, device=self.device)
+        received = torch.empty(sum(receive_sizes), dtype=dtype, device=self.device)
+        dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.group)
+        return received
