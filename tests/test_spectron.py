@@ -15,7 +15,7 @@ from megasparse.lowrank.linalg import newton_schulz
 from megasparse.lowrank.spectron import factor_pairs
 from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
-from megasparse.optim.partitions import Fragment
+from megasparse.optim.partitions import Fragment, choose_owners
 from megasparse.parallel.layers import WeightInit
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.train.optim import build_optimizer
@@ -223,3 +223,18 @@ def test_newton_schulz_in_bf16_points_where_fp32_does():
         bf16 = newton_schulz(m, TensorParallel(), 5, wide=wide, dtype=torch.bfloat16)
         assert bf16.dtype == torch.float32 and not torch.equal(fp32, bf16)
         assert torch.nn.functional.cosine_similarity(fp32.flatten(1), bf16.flatten(1)).min() > 0.999
+
+
+def test_each_factor_is_owned_where_most_of_it_lies_and_even_cuts_are_balanced():
+    """Spectron's owner ranks (``choose_owners``). ZeRO-1/2-like: consecutive partitions of one buffer of six
+    factors of 10 elements over 3 ranks of 20, so factors 0-1, 2-3, 4-5 lie on ranks 0, 1, 2 (factor 2 is
+    split 1:9 between ranks 0 and 1): each goes to the rank holding most of it, whatever the costs. ZeRO-3-like:
+    every factor cut evenly over the ranks; the owners balance the cost, every rank within the largest cost of
+    the mean."""
+    held = [[10, 10, 1, 0, 0, 0], [0, 0, 9, 10, 0, 0], [0, 0, 0, 0, 10, 10]]
+    assert choose_owners(held, [1, 100, 5, 1, 1, 50]) == [0, 0, 1, 1, 2, 2]
+    costs = [9, 7, 7, 5, 3, 3, 2, 1]
+    owners = choose_owners([[4] * len(costs)] * 3, costs)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert sorted(set(owners)) == [0, 1, 2] and max(loads) - sum(costs) / 3 <= max(costs)
+    assert loads == [13, 12, 12]  # 9+3+1, 7+5, 7+3+2

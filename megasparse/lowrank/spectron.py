@@ -41,21 +41,23 @@ scalars (see linalg.py): per split batch, one all-reduce per power iteration and
 Newton-Schulz iteration. Under ZeRO-1/2 DeepSpeed hands this optimizer flat partitions that cut
 through the factors; the momentum is kept per partition (so it partitions, checkpoints and
 reshards like Adam's moments). Each factor has one owner among the data-parallel ranks, chosen
-once so that every rank's Newton-Schulz work is within one factor's of 1/N of the whole
-(:func:`~megasparse.optim.partitions.balanced_owners`). Per step, by :class:`OwnerExchange`:
-one all-to-all sends every rank's pieces of each momentum direction to its owner, in the
-Newton-Schulz dtype; the owner runs the power iteration and Newton-Schulz on its whole factors
-(Newton-Schulz always sees the whole, fully reduced factor, never a partition); one all-reduce of
-every factor's sigma and power vector (zero from the ranks that do not own it, so the sum is exact)
-gives every rank the same vectors and rates; one all-to-all sends each owner's scaled updates back
-to the ranks holding the pieces, in the Newton-Schulz dtype (exact for its output, which has that
-precision; rounding its product with the rate to bf16 adds at most 2^-8 relative). Each rank thus does
-about 1/N of the step's products and hands on and receives about 2/N of the factor elements, where
-an all-gather of every partition received all of them. Under ZeRO-3 the same holds for its
-sub-group's flat partition, and the owner's power iteration runs on the whole factors, sent with
-the directions from their master partitions (in the wider of the Newton-Schulz and training
-dtypes); DeepSpeed steps a ZeRO-3 optimizer once per sub-group, so every factor must lie in one
-(checked by :meth:`Spectron.attach`). At ZeRO-0 every rank holds the whole factors and gradients
+once (:func:`~megasparse.optim.partitions.choose_owners`): the rank holding most of it, which
+under ZeRO-1/2 makes every rank's share of the Newton-Schulz work about its share of the elements,
+1/N. Per step, by :class:`OwnerExchange`: one all-to-all sends the pieces of each momentum
+direction held away from its owner there, in the Newton-Schulz dtype (under ZeRO-1/2 only the
+factors crossing a partition's boundary have such pieces); the owner runs the power iteration and
+Newton-Schulz on its whole factors (Newton-Schulz always sees the whole, fully reduced factor, never
+a partition); one all-reduce of every factor's sigma and power vector (zero from the ranks that do
+not own it, so the sum is exact) gives every rank the same vectors and rates; one all-to-all sends
+the owners' scaled updates back to the ranks holding the pieces, in the Newton-Schulz dtype (exact
+for its output, which has that precision; rounding its product with the rate to bf16 adds at most
+2^-8 relative). An all-gather of every partition, which the step did before, handed every rank all
+factor elements. Under ZeRO-3, which cuts every factor evenly over the ranks, the owners are
+balanced by Newton-Schulz cost, each rank sends and receives about 1/N of the factor elements each
+way, and the owner's power iteration runs on the whole factors, sent with the directions from their
+master partitions (in the wider of the Newton-Schulz and training dtypes); DeepSpeed steps a
+ZeRO-3 optimizer once per sub-group, so every factor must lie in one (checked by
+:meth:`Spectron.attach`). At ZeRO-0 every rank holds the whole factors and gradients
 and steps them all, with no collective (splitting there would add a gather of every update). The
 gradient DeepSpeed hands over is already reduced over data-parallel ranks and clipped, so clipping
 precedes orthogonalisation.
@@ -81,7 +83,7 @@ from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.optim.adamw import adamw_update
-from megasparse.optim.partitions import Fragment, OwnerExchange, balanced_owners, full_shape
+from megasparse.optim.partitions import Fragment, OwnerExchange, full_shape
 from megasparse.parallel.mappings import TensorParallel
 
 
@@ -155,8 +157,8 @@ class Spectron(torch.optim.Optimizer):
                dp_group=None, partitioned: bool = False) -> None:
         """Bind the factor pairs to this rank's optimizer tensors (after ``deepspeed.initialize``; collective
         when ``partitioned``: the factors are split over data-parallel ranks, ZeRO-1/2/3, and each is given an
-        owner rank that orthogonalises it, :func:`~megasparse.optim.partitions.balanced_owners` by its
-        Newton-Schulz cost, rows x cols x min(rows, cols))."""
+        owner rank that orthogonalises it, :func:`~megasparse.optim.partitions.choose_owners` by where its pieces
+        lie and its Newton-Schulz cost, rows x cols x min(rows, cols))."""
         self.pairs, self.fragments = pairs, fragments
         self.batches = factor_batches(pairs, self.shape_scale and self.orthogonalise)
         factors = [factor for batch in self.batches for factor in batch]
@@ -169,8 +171,7 @@ class Spectron(torch.optim.Optimizer):
         owned = range(len(factors))
         if partitioned:
             costs = [math.prod(full_shape(f.param)) * min(full_shape(f.param)) for f in factors]
-            owners = balanced_owners(costs, dist.get_world_size(group=dp_group))
-            self.exchange = OwnerExchange([f.param for f in factors], fragments, dp_group, owners)
+            self.exchange = OwnerExchange([f.param for f in factors], fragments, dp_group, costs)
             owned = self.exchange.owned
         starts = list(accumulate([len(batch) for batch in self.batches], initial=0))
         self.owned_batches = [[(i, factors[i]) for i in owned if start <= i < end]  # (index in ``factors``, factor)

@@ -89,29 +89,35 @@ def _zero3_offsets(zero3_optimizer) -> dict[int, tuple[int, int]]:
     return _OFFSETS[zero3_optimizer]
 
 
-def balanced_owners(costs: list[float], ranks: int) -> list[int]:
-    """An owner rank for each item, in order: each goes to the rank with the least cost so far (the lowest such
-    rank on a tie), so every rank's total is within one item's cost of the mean. The same on every rank."""
-    loads, owners = [0.0] * ranks, []
-    for cost in costs:
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
-        loads[rank] += cost
-        owners.append(rank)
+def choose_owners(held: list[list[int]], costs: list[float]) -> list[int]:
+    """An owner rank for each parameter, from ``held[r][i]``, the elements of parameter i rank r holds, and each
+    parameter's cost: the rank holding most of it, so that little has to move (ZeRO-1/2 cut one flat buffer
+    into consecutive partitions, so most parameters lie on one rank and every rank's elements, hence roughly its
+    cost, are 1/N of the whole); among ranks holding equal largest shares (ZeRO-3 cuts every parameter evenly)
+    the one with the least cost so far, taking the parameters from the costliest down, so that where all ranks
+    tie every rank's total is within the largest cost of the mean. The same on every rank."""
+    loads, owners = [0.0] * len(held), [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        largest = max(rank[i] for rank in held)
+        owners[i] = min((r for r, rank in enumerate(held) if rank[i] == largest), key=lambda r: (loads[r], r))
+        loads[owners[i]] += costs[i]
     return owners
 
 
 class OwnerExchange:
     """Parameters held in pieces by the data-parallel ranks (one flat optimizer tensor per rank, as ZeRO-1/2/3
-    hand the client optimizer), each sent whole to one owner rank, and the owners' results sent back in pieces.
+    hand the client optimizer), each sent whole to one owner rank (:func:`choose_owners`, by the pieces and the
+    parameters' ``costs``), and the owners' results sent back in pieces.
 
     :meth:`to_owners` sends every rank's pieces of a parameter, read from tensors laid out like this rank's flat
     tensor (optimizer state), to the parameter's owner in one all-to-all. :meth:`from_owners` sends each owner's
-    whole results back to the ranks holding the pieces, in one all-to-all. Each way a rank hands on and receives
-    about 1/N of the parameters' elements (its pieces, the parameters it owns), where an all-gather of every
-    partition hands each rank all of them. Building the exchange is collective: every rank's pieces of every
+    whole results back to the ranks holding the pieces, in one all-to-all. Only pieces held away from their
+    owner travel: under ZeRO-1/2 those of the parameters that cross a partition's boundary, at most two per
+    rank each way; under ZeRO-3 (1 - 1/N) of what a rank holds, and of what it owns. An all-gather of every
+    partition would hand each rank all of them. Building the exchange is collective: every rank's pieces of every
     parameter are made known to all once."""
 
-    def __init__(self, params: list[torch.Tensor], fragments, group, owners: list[int]) -> None:
+    def __init__(self, params: list[torch.Tensor], fragments, group, costs: list[float]) -> None:
         held = {id(f.owner): f.owner for p in params for f in fragments(p)}
         if len(held) > 1 or any(len(fragments(p)) > 1 for p in params):
             raise ValueError("OwnerExchange needs every parameter in one flat tensor per rank, one piece each")
@@ -124,6 +130,7 @@ class OwnerExchange:
         every = torch.empty(size * local.numel(), dtype=torch.int64, device=device)
         dist.allgather_fn(every, local.view(-1), group=group)  # flat: gloo gathers into a list of chunks
         every = every.view(size, *local.shape).tolist()  # rank -> parameter -> [offset, start, numel]
+        owners = choose_owners([[piece[2] for piece in rank] for rank in every], costs)
         self.owned = [i for i, o in enumerate(owners) if o == rank]  # the parameters this rank receives whole
         # this rank's pieces, by owner in rank order, as (offset in its flat tensor, numel): sent to the owners
         # in this order, and received back from them in it
