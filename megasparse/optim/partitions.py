@@ -132,55 +132,71 @@ class OwnerExchange:
         every = every.view(size, *local.shape).tolist()  # rank -> parameter -> [offset, start, numel]
         owners = choose_owners([[piece[2] for piece in rank] for rank in every], costs)
         self.owned = [i for i, o in enumerate(owners) if o == rank]  # the parameters this rank receives whole
-        # this rank's pieces, by owner in rank order, as (offset in its flat tensor, numel): sent to the owners
-        # in this order, and received back from them in it
+        self.moves = any(every[r][i][2] for r in range(size) for i, o in enumerate(owners) if o != r)  # on any rank
+        # this rank's pieces held away from their owners, by owner in rank order, as (offset in its flat tensor,
+        # numel): sent to the owners in this order, and received back from them in it
         self._pieces = [[(every[rank][i][0], every[rank][i][2]) for i in range(len(params))
-                         if owners[i] == r and every[rank][i][2]] for r in range(size)]
-        # every rank's pieces of the parameters this rank owns, by rank, as (owned index, start, numel): received
-        # from the ranks in this order, and sent back to them in it
+                         if owners[i] == r and every[rank][i][2]] if r != rank else [] for r in range(size)]
+        # the other ranks' pieces of the parameters this rank owns, by rank, as (owned index, start, numel):
+        # received from the ranks in this order, and sent back to them in it
         self._held = [[(k, every[r][i][1], every[r][i][2]) for k, i in enumerate(self.owned) if every[r][i][2]]
-                      for r in range(size)]
-        spans: list[list[tuple[int, int, int]]] = [[] for _ in self.owned]
+                      if r != rank else [] for r in range(size)]
+        # this rank's own pieces of the parameters it owns: (owned index, start, numel, offset in its flat tensor)
+        self._local = [(k, every[rank][i][1], every[rank][i][2], every[rank][i][0])
+                       for k, i in enumerate(self.owned) if every[rank][i][2]]
+        spans: list[list[tuple[int, bool, int, int]]] = [[] for _ in self.owned]
         position = 0
         for held in self._held:
             for k, start, numel in held:
-                spans[k].append((start, position, numel))
+                spans[k].append((start, True, position, numel))
                 position += numel
-        self._spans = []  # per owned parameter: its pieces as (position among those received, numel), in order
+        for k, start, numel, offset in self._local:
+            spans[k].append((start, False, offset, numel))
+        # per owned parameter, its pieces in element order: (received?, position received or offset, numel)
+        self._spans = []
         for k, i in enumerate(self.owned):
             pieces = sorted(spans[k])
             starts = list(accumulate([numel for *_, numel in pieces], initial=0))
             if [start for start, *_ in pieces] != starts[:-1] or starts[-1] != full_shape(params[i]).numel():
                 raise AssertionError("the ranks' pieces of a parameter do not cover it")
-            self._spans.append([(position, numel) for _, position, numel in pieces])
+            self._spans.append([piece[1:] for piece in pieces])
 
     def to_owners(self, sources: list[torch.Tensor | None], dtype: torch.dtype) -> list[list[list[torch.Tensor]]]:
         """``sources`` (laid out like this rank's flat tensor; None on a rank that holds none), in ``dtype``, at
-        their parameters' owners, in one all-to-all: per source, per owned parameter (in the order of
-        :attr:`owned`), its elements in order as a list of 1-D views. Each piece travels with the same piece of
-        every source after it, so a piece at position p of n elements lies at count p + k n for source k."""
+        their parameters' owners, in one all-to-all of the pieces held away from them: per source, per owned
+        parameter (in the order of :attr:`owned`), its elements in order as a list of 1-D tensors. Each piece
+        travels with the same piece of every source after it, so a piece received at position p of n elements
+        lies at count p + k n for source k."""
         count = len(sources)
         send = [source.reshape(-1)[offset:offset + numel] for pieces in self._pieces for offset, numel in pieces
                 for source in sources]
         received = self._all_to_all(send, [count * sum(n for _, n in pieces) for pieces in self._pieces],
                                     [count * sum(n for *_, n in held) for held in self._held], dtype)
-        return [[[received[count * position + k * numel:][:numel] for position, numel in spans]
-                 for spans in self._spans] for k in range(count)]
+
+        def piece(k: int, away: bool, position: int, numel: int) -> torch.Tensor:
+            if away:
+                return received[count * position + k * numel:][:numel]
+            return sources[k].reshape(-1)[position:position + numel].to(dtype)
+
+        return [[[piece(k, *span) for span in spans] for spans in self._spans] for k in range(count)]
 
     def from_owners(self, results: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
         """Each owned parameter's whole result (1-D, in the order of :attr:`owned`), in ``dtype``, at the ranks
-        holding its pieces, in one all-to-all: this rank's pieces of every parameter as (offset in this rank's
-        flat tensor, values)."""
+        holding its pieces, in one all-to-all of the pieces held away from their owners: this rank's pieces of
+        every parameter as (offset in this rank's flat tensor, values)."""
         send = [results[k][start:start + numel] for held in self._held for k, start, numel in held]
         received = self._all_to_all(send, [sum(n for *_, n in held) for held in self._held],
                                     [sum(n for _, n in pieces) for pieces in self._pieces], dtype)
         pieces = [piece for by_owner in self._pieces for piece in by_owner]
         positions = accumulate([numel for _, numel in pieces], initial=0)
-        return [(offset, received[position:position + numel]) for (offset, numel), position in zip(pieces, positions)]
+        return [(offset, results[k][start:start + numel].to(dtype)) for k, start, numel, offset in self._local] + \
+            [(offset, received[position:position + numel]) for (offset, numel), position in zip(pieces, positions)]
 
     def _all_to_all(self, send: list[torch.Tensor], send_sizes: list[int], receive_sizes: list[int],
                     dtype: torch.dtype) -> torch.Tensor:
+        """One all-to-all, unless no rank holds a piece away from its owner."""
         send = torch.cat(send).to(dtype) if send else torch.empty(0, dtype=dtype, device=self.device)
         received = torch.empty(sum(receive_sizes), dtype=dtype, device=self.device)
-        dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.group)
+        if self.moves:
+            dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.group)
         return received
