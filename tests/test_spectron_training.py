@@ -9,8 +9,10 @@ from helpers import final_weights, megasparse, tiny_config, train_losses, write_
 
 from megasparse.train.metrics import read_metrics
 
-# Every ZeRO stage with and without tensor parallelism, on 2 data-parallel ranks, and TP 2 on one.
-LAYOUTS = [(1, 2, 0), (1, 2, 1), (1, 2, 2), (1, 2, 3), (2, 1, 0), (2, 1, 2), (2, 2, 0), (2, 2, 1), (2, 2, 2), (2, 2, 3)]
+# Every ZeRO stage with and without tensor parallelism, on 2 data-parallel ranks, and TP 2 on one; and 4
+# data-parallel ranks at ZeRO-1 and 3, where a factor's owner receives pieces from several ranks.
+LAYOUTS = [(1, 2, 0), (1, 2, 1), (1, 2, 2), (1, 2, 3), (2, 1, 0), (2, 1, 2), (2, 2, 0), (2, 2, 1), (2, 2, 2), (2, 2, 3),
+           (1, 4, 1), (1, 4, 3)]
 
 
 @pytest.mark.parametrize("tp,dp,zero", LAYOUTS)

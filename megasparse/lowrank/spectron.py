@@ -71,9 +71,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from itertools import accumulate
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import deepspeed.comm as dist
 import torch

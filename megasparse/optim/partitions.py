@@ -22,8 +22,8 @@ elementwise state for them sits at the same offsets of ``optimizer.state[owner]`
 from __future__ import annotations
 
 import weakref
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 import deepspeed.comm as dist
 import torch
