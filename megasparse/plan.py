@@ -51,6 +51,7 @@ from megasparse.data.shards import INDEX_FILE, open_prepared
 from megasparse.errors import UserError
 from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
+from megasparse.parallel.layers import padded_width
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 from megasparse.train.deepspeed_config import persistence_threshold
@@ -145,7 +146,7 @@ def _activation_bytes(cfg: Config, vocab_size: int, b: int, t: int) -> float:
     m, tr = cfg.model, cfg.training
     tokens = cfg.data.seq_len * tr.micro_batch_size
     kv_dim = m.kv_heads * (m.dim // m.n_heads)
-    block = tokens * (8 * m.dim + (2 * kv_dim + 4 * m.ffn_dim) / t) * b
+    block = tokens * (8 * m.dim + (2 * kv_dim + 4 * padded_width(m.ffn_dim, t)) / t) * b  # the MLP's stored width
     logits = tokens * vocab_size * (b + 4) / t
     kept = {"none": m.n_layers * block, "selective": m.n_layers * block / 2,
             "full": m.n_layers * tokens * m.dim * b + block}[tr.activation_checkpointing]

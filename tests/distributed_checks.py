@@ -25,7 +25,7 @@ from megasparse.optim.partitions import Fragment
 from megasparse.parallel.distributed import shutdown_distributed
 from megasparse.parallel.groups import create_groups
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                        VocabParallelHead, WeightInit)
+                                        VocabParallelHead, WeightInit, unpadded)
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 
@@ -40,20 +40,23 @@ def gathered(shard: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def mlp_pair(tp: TensorParallel, kind: str) -> float:
+def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = False) -> float:
     """column-parallel then row-parallel projection (as q/o or up/down) against the unsplit pair; for sparse
-    layers also RigL's dense gradient of the whole W, joined from the shards."""
-    def build(t: TensorParallel):
+    layers also RigL's dense gradient of the whole W, joined from the shards. ``padded``: the split pair pads its
+    ``hidden`` width as the MLP's is (the unsplit pair does not), and its padding's gradients must be exactly 0."""
+    def build(t: TensorParallel, pad: bool):
         torch.manual_seed(0)
-        column, row = ("column", "row") if t.size > 1 else (None, None)
+        column, row = ("column", "row") if t.size > 1 or pad else (None, None)
         if kind == "lowrank":
-            return LowRankLinear(16, 24, 6, WeightInit(0.3), t, column), LowRankLinear(24, 12, 5, WeightInit(0.3), t, row)
-        if kind == "sparse":  # 96 and 72 active weights: 48 and 36 slots per rank
-            return (SparseLinear(16, 24, 0.25, WeightInit(0.3), t, column),
-                    SparseLinear(24, 12, 0.25, WeightInit(0.3), t, row))
-        return ColumnParallelLinear(16, 24, t, WeightInit(0.3)), RowParallelLinear(24, 12, t, WeightInit(0.3))
+            return (LowRankLinear(16, hidden, 6, WeightInit(0.3), t, column, pad=pad),
+                    LowRankLinear(hidden, 12, 5, WeightInit(0.3), t, row, pad=pad))
+        if kind == "sparse":  # 16 x hidden x 1/4 and hidden x 12 x 1/3 active weights: both even for 24 and 21
+            return (SparseLinear(16, hidden, 0.25, WeightInit(0.3), t, column, pad=pad),
+                    SparseLinear(hidden, 12, 1 / 3, WeightInit(0.3), t, row, pad=pad))
+        return (ColumnParallelLinear(16, hidden, t, WeightInit(0.3), pad=pad),
+                RowParallelLinear(hidden, 12, t, WeightInit(0.3), pad=pad))
 
-    split, whole = build(tp), build(TensorParallel())
+    split, whole = build(tp, padded), build(TensorParallel(), False)
     if kind == "sparse":  # what RigL's update steps collect
         for layer in (*split, *whole):
             layer.dense_grad_hook = functools.partial(setattr, layer, "dense_grad")
@@ -70,7 +73,10 @@ def mlp_pair(tp: TensorParallel, kind: str) -> float:
             param, ref = getattr(layer, name), getattr(reference, name)
             dim = getattr(param, "partition_dim", None)
             full = gathered(param.grad, tp, dim) if dim is not None else param.grad
-            errors.append(relative(full, ref.grad))
+            errors.append(relative(unpadded(full, getattr(param, "padding", None)), ref.grad))
+            if hasattr(param, "padding"):  # the padding's gradient: exactly zero, or the check fails
+                pad_dim, width = param.padding
+                errors.append(float("inf") if full.narrow(pad_dim, width, full.shape[pad_dim] - width).any() else 0)
         if kind == "sparse":
             errors.append(relative(layer.whole_matrix(layer.dense_grad), reference.dense_grad))
     return max(errors)
@@ -86,6 +92,13 @@ def lowrank_pair(tp):
 
 def sparse_pair(tp):
     return mlp_pair(tp, "sparse")
+
+
+def padded_pairs(tp: TensorParallel) -> float:
+    """The three pairs with a hidden width of 21 (split over 2 ranks: 16 each, 11 of them zeros on the second;
+    on 1 rank: 24), against the unpadded, unsplit pairs."""
+    return max(mlp_pair(t, kind, hidden=21, padded=True) for kind in ("dense", "lowrank", "sparse")
+               for t in (tp, TensorParallel()))
 
 
 def vocab_parallel(tp: TensorParallel) -> float:
@@ -310,8 +323,8 @@ def group_timeouts(tp: TensorParallel) -> float:
     return max(abs(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() - 180) for g in groups)
 
 
-CHECKS = [dense_pair, lowrank_pair, sparse_pair, vocab_parallel, power_iteration_steps, power_iteration_converges,
-          newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, spectron_step_unequal_partitions,
+CHECKS = [dense_pair, lowrank_pair, sparse_pair, padded_pairs, vocab_parallel, power_iteration_steps,
+          power_iteration_converges, newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, spectron_step_unequal_partitions,
           shared_factorisation, zero3_build, group_timeouts]
 
 

@@ -54,6 +54,10 @@ METHODS["smet-tp-erk"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"][
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).
 METHODS["spectron-adam"] = {**METHODS["spectron"], "spectron": {"lr": 0.01, "orthogonalise": False}}
+# llama-tiny with an MLP width that 2 tensor-parallel ranks cannot share in aligned halves (180: stored as 184 on
+# one rank, 2 x 96 on two), as llama-1b's 5461 is on 2-8 ranks.
+for _method in ("dense", "spectron", "smet-tp-rigl"):
+    METHODS[f"{_method}-ffn180"] = {**METHODS[_method], "model": {**METHODS[_method].get("model", {}), "ffn_dim": 180}}
 
 
 def tiny_config(dataset: Path, output_dir: Path, method: str = "dense", **sections: dict[str, Any]) -> dict[str, Any]:

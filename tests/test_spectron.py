@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megasparse.config import config_from_dict
@@ -187,6 +188,9 @@ def test_factory_ranks():
     factory = layer_factory(cfg)
     assert factory.ranks == {"q_proj": 16, "k_proj": 16, "v_proj": 16, "o_proj": 16, "gate_proj": 16,
                              "up_proj": 16, "down_proj": 44}
+    aligned = layer_factory(spectron_config(model={"preset": "llama-1b"}, lowrank={"rank_multiple": 8}))
+    assert aligned.ranks["down_proj"] == 1368 and layer_factory(spectron_config(model={"preset": "llama-1b"})).ranks[
+        "down_proj"] == 1365  # round(0.25 x 5461), as the papers take it
 
 
 @pytest.mark.parametrize("raw,message", [
@@ -238,3 +242,30 @@ def test_each_factor_is_owned_where_most_of_it_lies_and_even_cuts_are_balanced()
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
     assert sorted(set(owners)) == [0, 1, 2] and max(loads) - sum(costs) / 3 <= max(costs)
     assert loads == [13, 12, 12]  # 9+3+1, 7+5, 7+3+2
+
+
+@pytest.mark.parametrize("split", ["column", "row"])
+def test_a_padded_pair_steps_as_the_unpadded_one(split):
+    """A factor pair whose MLP side is stored padded (13 -> 16: A's rows as gate/up, B's columns as down) takes the
+    unpadded pair's Spectron steps (power iteration, Newton-Schulz, shape factor from the real shape), and its
+    padding stays exactly zero."""
+    def model(pad: bool) -> nn.Module:
+        torch.manual_seed(0)
+        in_features, out_features = (20, 13) if split == "column" else (13, 20)
+        return LowRankLinear(in_features, out_features, 4, WeightInit(0.3), WHOLE, split if pad else None, pad=pad)
+
+    padded, plain = model(True), model(False)
+    param = padded.A if split == "column" else padded.B
+    dim, width = param.padding
+    steppers = [attached(m, spectron={"lr": 0.05}, optimizer={"weight_decay": 0.1}) for m in (padded, plain)]
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(6, padded.in_features, generator=generator)
+        for m, optimizer in zip((padded, plain), steppers):
+            m.zero_grad()
+            m(F.pad(x, (0, 3)) if split == "row" and m is padded else x).square().sum().backward()
+            optimizer.step()
+        for mine, theirs in ((padded.A, plain.A), (padded.B, plain.B)):
+            real = mine.detach().narrow(dim, 0, width) if mine is param else mine.detach()
+            torch.testing.assert_close(real, theirs.detach(), rtol=1e-6, atol=1e-7)
+        assert not param.detach().narrow(dim, width, param.shape[dim] - width).any()

@@ -47,6 +47,7 @@ from megasparse.checkpoint.legacy import BITMASK, index_name, upgrade_indices
 from megasparse.errors import UserError
 from megasparse.optim.groups import parameter_groups
 from megasparse.optim.partitions import full_shape, optimizer_fragments
+from megasparse.parallel.layers import local_piece, unpadded
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 
@@ -81,10 +82,10 @@ def read_training_state(checkpoint: Checkpoint) -> TrainingState:
         model = reference_model(cfg, meta.vocab_size, TensorParallel(None, meta.tensor_parallel_size, t))
         ranks.append(_read_rank(checkpoint, t, model))
     model = reference_model(cfg, meta.vocab_size, TensorParallel(None, meta.tensor_parallel_size, 0))
-    dims = split_dimensions(model)
-    weights = {name: _join([r[0][name] for r in ranks], dims.get(name)) for name in ranks[0][0]}
-    optimizer = {name: {key: _join([r[1][name][key] for r in ranks], dims[name]) if torch.is_tensor(value)
-                        and value.dim() > 0 else value for key, value in entry.items()}
+    dims, params = split_dimensions(model), dict(model.named_parameters())
+    weights = {name: _join([r[0][name] for r in ranks], dims.get(name), params.get(name)) for name in ranks[0][0]}
+    optimizer = {name: {key: _join([r[1][name][key] for r in ranks], dims[name], params[name])
+                        if torch.is_tensor(value) and value.dim() > 0 else value for key, value in entry.items()}
                  for name, entry in ranks[0][1].items()}
     _share_group_values(optimizer, model, cfg)
     meta = _upgrade(meta, weights, optimizer, model)
@@ -113,7 +114,7 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
             if entry["fp32"].numel() != params[name].numel():
                 raise UserError(f"'{path}' does not hold the model of its megasparse.json (its optimizer "
                                 f"partitions give '{name}' {entry['fp32'].numel()} elements, the model "
-                                f"{params[name].numel()})")
+                                f"{params[name].numel()}){_unpadded_hint(params[name], entry['fp32'].numel())}")
             weights[name] = entry.pop("fp32").view(params[name].shape)  # fp32 masters over bf16 module weights
     if checkpoint.zero_stage == 3:  # the parameters that do not train (sparse masks): from every rank's piece
         weights |= _zero3_frozen(checkpoint, t, states.get("frozen_param_shapes") or {})
@@ -127,13 +128,23 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
     weights = {name: weights.get(names[id(tensor)]) for name, tensor in module.items()}
     wrong = next((name for name, w in weights.items() if w is None or w.shape != shapes[name]), None)
     if wrong is not None:
+        hint = _unpadded_hint(params.get(wrong), weights[wrong].numel()) if weights[wrong] is not None else ""
         raise UserError(f"'{path}' does not hold the model of its megasparse.json (parameter '{wrong}' "
-                        "missing or of another shape)")
+                        f"missing or of another shape){hint}")
     for name, entry in optimizer.items():
         for key, value in entry.items():
             if elementwise(value, params[name]):
                 entry[key] = value.view(params[name].shape)
     return {name: w.float() if w.is_floating_point() else w for name, w in weights.items()}, optimizer, states
+
+
+def _unpadded_hint(param: nn.Parameter | None, numel: int) -> str:
+    """How to carry over a checkpoint whose ``param`` holds ``numel`` elements: the real MLP width unpadded, as
+    megasparse stored it before it padded that width."""
+    if param is None or not hasattr(param, "padding") or numel != whole_shape(param, TensorParallel()).numel():
+        return ""
+    return ("; it holds the MLP's real width unpadded, as megasparse stored it before padding it: write a model "
+            "directory with that version's `megasparse convert consolidate` and start from it with checkpoint.init_from")
 
 
 def _zero3_frozen(checkpoint: Checkpoint, t: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -230,8 +241,12 @@ def _share_group_values(optimizer: dict[str, dict[str, Any]], model: nn.Module, 
                     entry[key] = found
 
 
-def _join(shards: list[Any], dim: int | None) -> Any:
-    return shards[0] if dim is None or len(shards) == 1 else torch.cat(shards, dim=dim)
+def _join(shards: list[Any], dim: int | None, param: nn.Parameter | None) -> Any:
+    """The tensor-parallel ``shards`` of a tensor of ``param`` (a buffer: None) joined along ``dim``, without the
+    padding where they are shaped like ``param``."""
+    whole = shards[0] if dim is None or len(shards) == 1 else torch.cat(shards, dim=dim)
+    padded = param is not None and shards[0].shape == full_shape(param)
+    return unpadded(whole, getattr(param, "padding", None)) if padded else whole
 
 
 # ----------------------------------------------------------------------------- writing into an engine
@@ -249,7 +264,7 @@ def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state:
         with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):  # ZeRO-3: partitioned again on exit
             tensor.copy_(local_shard(state.weights[name], tensor, tp).to(tensor.dtype))
     for name, param in module.named_parameters():
-        entry = {key: local_shard(value, param, tp).reshape(-1) if elementwise(value, param) or _split(value, param)
+        entry = {key: local_shard(value, param, tp).reshape(-1) if elementwise(value, param) or _split(value, param, tp)
                  else value for key, value in state.optimizer.get(name, {}).items()}
         master = local_shard(state.weights[name], param, tp).reshape(-1)
         for fragment in optimizer_fragments(engine, client_optimizer, param):
@@ -273,24 +288,32 @@ def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state:
     return state.client
 
 
-def _split(value: Any, param: nn.Parameter) -> bool:
-    """A whole-parameter state tensor of a tensor-parallel shard ``param``."""
-    dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
-    shape = full_shape(param)
-    return torch.is_tensor(value) and dim is not None and value.dim() == len(shape) and value.shape != shape
+def _split(value: Any, param: nn.Parameter, tp: TensorParallel) -> bool:
+    """A whole-parameter state tensor of a ``param`` stored split or padded."""
+    return torch.is_tensor(value) and value.shape != full_shape(param) and value.shape == whole_shape(param, tp)
+
+
+def whole_shape(like: torch.Tensor, tp: TensorParallel) -> torch.Size:
+    """The real shape of the tensor whose piece on this rank is ``like``: joined over the tensor-parallel ranks
+    where it is split (``partition_dim``), without its padding (``padding``)."""
+    shape = list(full_shape(like))
+    split = getattr(like, "partition_dim", None) if getattr(like, "tensor_model_parallel", False) else None
+    if split is not None:
+        shape[split] *= tp.size
+    if hasattr(like, "padding"):
+        dim, width = like.padding
+        shape[dim] = width
+    return torch.Size(shape)
 
 
 def local_shard(whole: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """This tensor-parallel rank's shard of ``whole`` for the module tensor ``like`` (split along its
-    ``partition_dim``), checked to fit."""
+    """This tensor-parallel rank's piece of ``whole`` for the module tensor ``like`` (padded and split as it is,
+    :func:`~megasparse.parallel.layers.local_piece`), checked to fit."""
     shape = full_shape(like)
-    if whole.shape == shape:
-        return whole
-    dim = getattr(like, "partition_dim", None)
-    if dim is None or tp.shard(whole, dim).shape != shape:
+    if whole.shape != whole_shape(like, tp):
         raise UserError(f"the checkpoint's tensor of shape {tuple(whole.shape)} does not fit this model's "
-                        f"{tuple(shape)} (written for another model)")
-    return tp.shard(whole, dim)
+                        f"{tuple(whole_shape(like, tp))} (written for another model)")
+    return local_piece(whole, like, tp).view(shape)
 
 
 def _to_device(value: Any, device: torch.device, key: str) -> Any:

@@ -14,6 +14,11 @@ Under tensor parallelism:
 - row-parallel (``parallel="row"``, for o/down): B is split by columns, A replicated. The
   partial h_t = x_t B_t^T are summed by one all-reduce of r numbers per token (a dense layer
   all-reduces out numbers), then y = h A^T on every rank.
+
+With ``pad`` (the MLP's projections) the split side, A's rows or B's columns, is stored zero-padded as a dense
+weight's would be (parallel/layers.py): zero rows of A give zero outputs, zero columns of B read zero inputs,
+and their gradients and momenta stay zero, so Newton-Schulz and the power iteration see the real factor
+with zero rows or columns added, which changes neither its singular values nor its orthogonalisation.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from megasparse.parallel.layers import WeightInit, sharded_parameter
+from megasparse.parallel.layers import WeightInit, local_piece, sharded_parameter
 from megasparse.parallel.mappings import TensorParallel, copy_to_region, reduce_from_region
 
 
@@ -89,21 +94,21 @@ class SharedFactorisation:
 class LowRankLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int, init: WeightInit,
                  tp: TensorParallel = TensorParallel(), parallel: Literal["column", "row"] | None = None,
-                 factorise: Factorise = balanced_factors) -> None:
+                 factorise: Factorise = balanced_factors, pad: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.tp, self.parallel = tp, parallel
         a, b = factorise(init.linear(out_features, in_features), rank)
-        self.A = sharded_parameter(a, tp, dim=0 if parallel == "column" else None)
-        self.B = sharded_parameter(b, tp, dim=1 if parallel == "row" else None)
+        column, row = parallel == "column", parallel == "row"
+        self.A = sharded_parameter(a, tp, dim=0 if column else None, pad=pad and column)
+        self.B = sharded_parameter(b, tp, dim=1 if row else None, pad=pad and row)
         self.A.lowrank_factor = self.B.lowrank_factor = True  # their optimizer group (megasparse.optim.groups)
 
     @torch.no_grad()
     def load_factors(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Set the whole layer's factors A (out x r) and B (r x in); this rank keeps its shard of each."""
-        for param, whole, dim in ((self.A, a, 0 if self.parallel == "column" else None),
-                                  (self.B, b, 1 if self.parallel == "row" else None)):
-            param.copy_(whole if dim is None else whole.chunk(self.tp.size, dim)[self.tp.rank])
+        """Set the whole layer's factors A (out x r) and B (r x in); this rank keeps its (padded) shard of each."""
+        self.A.copy_(local_piece(a, self.A, self.tp))
+        self.B.copy_(local_piece(b, self.B, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.B)

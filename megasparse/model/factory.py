@@ -35,13 +35,14 @@ def projection_shapes(model: ModelConfig) -> tuple[dict[str, tuple[int, int]], d
 
 
 def low_ranks(cfg: Config) -> dict[str, int]:
-    """Each low-rank role's rank: ``lowrank.rank``, or ``lowrank.rank_ratio`` x in_features, checked."""
+    """Each low-rank role's rank: ``lowrank.rank``, or ``lowrank.rank_ratio`` x in_features rounded to a multiple of
+    ``lowrank.rank_multiple``, checked."""
     shapes, _ = projection_shapes(cfg.model)
     key = "lowrank.rank" if cfg.lowrank.rank else "lowrank.rank_ratio"
-    ranks = {}
+    multiple, ranks = cfg.lowrank.rank_multiple, {}
     for role in cfg.lowrank.targets:
         in_features, out_features = shapes[role]
-        rank = cfg.lowrank.rank or round(cfg.lowrank.rank_ratio * in_features)
+        rank = cfg.lowrank.rank or multiple * round(cfg.lowrank.rank_ratio * in_features / multiple)
         if not 0 < rank < min(in_features, out_features):
             raise ConfigError(f"{key}: rank {rank} for {role} ({out_features} x {in_features}) must be in "
                               f"(0, {min(in_features, out_features)})")

@@ -16,7 +16,9 @@ the factory from ``model.layer`` and the tensor-parallel degree, the way torchti
 
 Every factory draws each weight from the global RNG in the same order and shape, so for one
 seed all of them start from the same dense model (sparse masks it, low-rank factorises it,
-tensor parallelism shards it).
+tensor parallelism shards it). The MLP's hidden width (gate and up's outputs, down's inputs) is stored
+zero-padded to :func:`~megasparse.parallel.layers.padded_width` in every factory, so that it splits evenly
+into shards aligned for tensor cores; the padding is exactly zero throughout (see parallel/layers.py).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ from torch import nn
 
 from megasparse.lowrank.layers import Factorise, LowRankLinear, balanced_factors
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                        VocabParallelHead, WeightInit)
+                                        VocabParallelHead, WeightInit, sharded_parameter)
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 
 Role = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COLUMN_ROLES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
 ROW_ROLES = ("o_proj", "down_proj")  # input features split
+PADDED_ROLES = ("gate_proj", "up_proj", "down_proj")  # their split dimension is the MLP's hidden width
 
 
 class OutputHead(Protocol):
@@ -67,7 +70,7 @@ class DenseLayers:
         return nn.Embedding(vocab_size, dim, _weight=init.embedding(vocab_size, dim))
 
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
-        return _initialised(_uninitialised(nn.Linear, in_features, out_features), init)
+        return _initialised(_uninitialised(nn.Linear, in_features, out_features), init, role)
 
     def head(self, dim: int, vocab_size: int, init: WeightInit) -> OutputHead:
         return _initialised(_uninitialised(LinearHead, dim, vocab_size), init)
@@ -78,9 +81,11 @@ def _uninitialised(cls: type[nn.Linear], in_features: int, out_features: int) ->
     return cls(in_features, out_features, bias=False, device="meta")
 
 
-def _initialised(layer: nn.Linear, init: WeightInit) -> nn.Linear:
-    """``layer`` with its weight drawn by ``init`` (a new parameter, registered as the other layers' are)."""
-    layer.weight = nn.Parameter(init.linear(layer.out_features, layer.in_features))
+def _initialised(layer: nn.Linear, init: WeightInit, role: Role | None = None) -> nn.Linear:
+    """``layer`` with its weight drawn by ``init`` (a new parameter, registered as the other layers' are),
+    padded as ``role``'s is (``in_features`` and ``out_features`` stay the real widths)."""
+    layer.weight = sharded_parameter(init.linear(layer.out_features, layer.in_features), TensorParallel(),
+                                     dim=0 if role in COLUMN_ROLES else 1, pad=role in PADDED_ROLES)
     return layer
 
 
@@ -95,7 +100,8 @@ class SparseLayers:
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.densities:
             return self.base.projection(in_features, out_features, role, init)
-        return SparseLinear(in_features, out_features, self.densities[role], init, self.tp, _split(role, self.tp))
+        return SparseLinear(in_features, out_features, self.densities[role], init, self.tp, _split(role),
+                            pad=role in PADDED_ROLES)
 
 
 class TensorParallelLayers:
@@ -106,9 +112,8 @@ class TensorParallelLayers:
         return VocabParallelEmbedding(vocab_size, dim, self.tp, init)
 
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
-        if role in COLUMN_ROLES:
-            return ColumnParallelLinear(in_features, out_features, self.tp, init)
-        return RowParallelLinear(in_features, out_features, self.tp, init)
+        layer = ColumnParallelLinear if role in COLUMN_ROLES else RowParallelLinear
+        return layer(in_features, out_features, self.tp, init, pad=role in PADDED_ROLES)
 
     def head(self, dim: int, vocab_size: int, init: WeightInit) -> OutputHead:
         return VocabParallelHead(dim, vocab_size, self.tp, init)
@@ -126,10 +131,10 @@ class LowRankLayers:
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.ranks:
             return self.base.projection(in_features, out_features, role, init)
-        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, _split(role, self.tp),
-                             self.factorise)
+        return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, _split(role),
+                             self.factorise, pad=role in PADDED_ROLES)
 
 
-def _split(role: Role, tp: TensorParallel) -> Literal["column", "row"] | None:
-    """How a factorised or sparse projection of ``role`` is split over ``tp``'s group."""
-    return None if tp.size == 1 else "column" if role in COLUMN_ROLES else "row"
+def _split(role: Role) -> Literal["column", "row"]:
+    """How a factorised or sparse projection of ``role`` is split over a tensor-parallel group (and padded)."""
+    return "column" if role in COLUMN_ROLES else "row"

@@ -149,5 +149,6 @@ class Llama(nn.Module):
 
 def num_parameters(model: nn.Module) -> int:
     """Trained parameters counted once each (tied weights once; not SMET's masks; whole where ZeRO-3 partitioned
-    them: ``ds_numel``)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    them: ``ds_numel``; not the zeros that pad the MLP's hidden width)."""
+    return sum(getattr(p, "ds_numel", p.numel()) - getattr(p, "padding_elements", 0)
+               for p in model.parameters() if p.requires_grad)

@@ -15,6 +15,15 @@ Every layer draws the full weight from the global RNG, exactly as the single-pro
 does, and keeps its shard, so a tensor-parallel model starts identical to the unsplit one.
 Sharded parameters carry ``tensor_model_parallel = True`` (and ``partition_dim``), which is how
 DeepSpeed counts them once per tensor-parallel rank in gradient norms.
+
+Padding (``pad=True``, the MLP's hidden width): a width that T ranks cannot share in equal parts that are
+multiples of ``GEMM_ALIGNMENT`` (llama-1b's 5461) is stored as :func:`padded_width` (5464 on one rank, 5504
+on eight), the real columns first and zeros after, and each rank keeps its equal shard. A zero row of W_gate
+and W_up gives a zero hidden unit, silu(0) * 0 = 0, and a zero column of W_down reads it; the gradients of
+all three paddings are products with those zeros, exactly zero, so no optimizer ever moves them and the
+model is the unpadded one in every layout. Such a parameter carries ``padding = (dim, width)`` (the real
+width along ``dim``) and ``padding_elements`` (the zeros in this rank's shard); :func:`local_piece` and
+:func:`unpadded` convert between a whole real tensor and the stored shards.
 """
 from __future__ import annotations
 
@@ -30,12 +39,50 @@ from megasparse.parallel.mappings import (TensorParallel, all_reduce, copy_to_re
                                           reduce_from_region, scatter_to_region)
 
 
-def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None) -> nn.Parameter:
-    """``full`` (or, with ``dim``, this rank's slice of it along ``dim``) as a parameter marked for DeepSpeed."""
+GEMM_ALIGNMENT = 8  # elements: 16 bytes of bf16, what tensor cores want of every matrix dimension
+
+
+def padded_width(width: int, parts: int) -> int:
+    """The least multiple of ``parts`` x GEMM_ALIGNMENT that holds ``width``: split over ``parts`` ranks, equal
+    shards whose widths are multiples of GEMM_ALIGNMENT."""
+    step = parts * GEMM_ALIGNMENT
+    return -(-width // step) * step
+
+
+def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None, pad: bool = False) -> nn.Parameter:
+    """``full`` (or, with ``dim``, this rank's slice of it along ``dim``) as a parameter marked for DeepSpeed;
+    with ``pad``, ``full`` first takes zeros along ``dim`` up to :func:`padded_width` (on one rank as well)."""
+    width = full.shape[dim] if pad else None
+    if pad:
+        full = F.pad(full, _pad_spec(full.dim(), dim, padded_width(width, tp.size) - width))
     param = nn.Parameter(full if dim is None or tp.size == 1 else tp.shard(full, dim))
     if dim is not None and tp.size > 1:
         param.tensor_model_parallel, param.partition_dim = True, dim
+    if pad:
+        shard = param.shape[dim]
+        param.padding = (dim, width)
+        param.padding_elements = (param.numel() // shard) * min(shard, max(0, (tp.rank + 1) * shard - width))
     return param
+
+
+def _pad_spec(ndim: int, dim: int, zeros: int) -> tuple[int, ...]:
+    """``F.pad``'s argument that appends ``zeros`` along ``dim`` of an ``ndim``-dimensional tensor."""
+    return (0, 0) * (ndim - 1 - dim) + (0, zeros)
+
+
+def local_piece(whole: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """What this rank stores of ``whole`` (a tensor shaped like the real weight ``like`` is part of): padded
+    where ``like`` is (its ``padding``), then split where it is (its ``partition_dim``)."""
+    if hasattr(like, "padding"):
+        dim, width = like.padding
+        whole = F.pad(whole, _pad_spec(whole.dim(), dim, padded_width(width, tp.size) - whole.shape[dim]))
+    split = getattr(like, "partition_dim", None) if getattr(like, "tensor_model_parallel", False) else None
+    return whole if split is None else tp.shard(whole, split)
+
+
+def unpadded(stored: torch.Tensor, padding: tuple[int, int] | None) -> torch.Tensor:
+    """A whole stored tensor (the shards joined) without its padding (``padding``: the parameter's)."""
+    return stored if padding is None else stored.narrow(padding[0], 0, padding[1])
 
 
 @dataclass(frozen=True)
@@ -62,10 +109,10 @@ class WeightInit:
 
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init: WeightInit,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, pad: bool = False) -> None:
         super().__init__()
         self.tp, self.gather_output = tp, gather_output
-        self.weight = sharded_parameter(init.linear(out_features, in_features), tp, dim=0)
+        self.weight = sharded_parameter(init.linear(out_features, in_features), tp, dim=0, pad=pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_region(x, self.tp), self.weight)
@@ -74,10 +121,10 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, init: WeightInit,
-                 input_is_parallel: bool = True) -> None:
+                 input_is_parallel: bool = True, pad: bool = False) -> None:
         super().__init__()
         self.tp, self.input_is_parallel = tp, input_is_parallel
-        self.weight = sharded_parameter(init.linear(out_features, in_features), tp, dim=1)
+        self.weight = sharded_parameter(init.linear(out_features, in_features), tp, dim=1, pad=pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x if self.input_is_parallel else scatter_to_region(x, self.tp)

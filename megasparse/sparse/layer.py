@@ -27,7 +27,9 @@ storage stays nnz/T. The forward and backward passes therefore gather the values
 tensor-parallel group (nnz numbers, like ZeRO-3 gathers a weight), scatter those that fall
 into this rank's shard, and return each slot's gradient to the rank that stores it (an
 all-reduce of nnz numbers, in which exactly one rank contributes each non-zero). The masks,
-losses and updates equal those of one rank.
+losses and updates equal those of one rank. With ``pad`` (the MLP's projections) the stored W is padded
+along its split side like a dense weight (parallel/layers.py); positions, the mask and RigL's dense gradient
+stay those of the real out x in matrix, so no slot ever lies in the padding.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megasparse.parallel.layers import WeightInit, sharded_parameter
+from megasparse.parallel.layers import WeightInit, padded_width, sharded_parameter
 from megasparse.parallel.mappings import TensorParallel, all_reduce, copy_to_region, gather_along, reduce_from_region
 from megasparse.sparse.mask import active_positions, pack
 
@@ -71,10 +73,14 @@ class _SparseLinearFunction(torch.autograd.Function):
 
 class SparseLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, density: float, init: WeightInit,
-                 tp: TensorParallel = TensorParallel(), parallel: Literal["column", "row"] | None = None) -> None:
+                 tp: TensorParallel = TensorParallel(), parallel: Literal["column", "row"] | None = None,
+                 pad: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.density = in_features, out_features, density
         self.tp, self.parallel = tp, parallel if tp.size > 1 else None
+        # W as the ranks store it together: padded along its split side like a dense weight (parallel/layers.py)
+        self.stored_shape = (padded_width(out_features, tp.size) if pad and parallel == "column" else out_features,
+                             padded_width(in_features, tp.size) if pad and parallel == "row" else in_features)
         numel = in_features * out_features
         self.nnz = max(1, round(density * numel))  # active weights of the whole layer
         active = torch.zeros(numel, dtype=torch.bool)
@@ -87,11 +93,11 @@ class SparseLinear(nn.Module):
 
     @property
     def shard_shape(self) -> tuple[int, int]:
-        """The shape of this rank's part of W: (out / T, in) column-parallel, (out, in / T) row-parallel."""
+        """The shape of this rank's part of the stored W: (out / T, in) column-parallel, (out, in / T)
+        row-parallel (of the padded width, where it is padded)."""
+        rows, cols = self.stored_shape
         split = self.tp.size if self.parallel else 1
-        if self.parallel == "column":
-            return self.out_features // split, self.in_features
-        return self.out_features, self.in_features // split
+        return (rows // split, cols) if self.parallel == "column" else (rows, cols // split)
 
     @property
     def stored_slots(self) -> int:
@@ -114,9 +120,8 @@ class SparseLinear(nn.Module):
 
     def whole_matrix(self, part: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like W (RigL's dense gradient) joined from every tensor-parallel rank's ``part`` of it."""
-        if not self.parallel:
-            return part
-        return gather_along(part, 0 if self.parallel == "column" else 1, self.tp)
+        whole = gather_along(part, 0 if self.parallel == "column" else 1, self.tp) if self.parallel else part
+        return whole[:self.out_features, :self.in_features]
 
     def positions(self) -> torch.Tensor:
         """The flat positions in W of the layer's slots, ascending (int64). No host synchronisation."""
@@ -126,7 +131,7 @@ class SparseLinear(nn.Module):
         """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a
         spare element past its end) for a slot in another rank's shard. No host synchronisation."""
         positions = self.positions()
-        if not self.parallel:
+        if not self.parallel and self.stored_shape == (self.out_features, self.in_features):
             return positions
         rows, cols = self.shard_shape
         row, col = positions // self.in_features, positions % self.in_features
