@@ -34,6 +34,7 @@ import activation_memory  # noqa: E402
 import compile_speed  # noqa: E402
 import host_syncs  # noqa: E402
 import inference_speed  # noqa: E402
+import loader_memory  # noqa: E402
 import lowrank_init  # noqa: E402
 import lowrank_speed  # noqa: E402
 import model_build  # noqa: E402
@@ -84,6 +85,7 @@ BENCHMARKS = {
     "rigl_memory": "peak memory of RigL's update step against an ordinary step",
     "sparse_inference": "a sparse block's products in CSR against dense, for inference",
     "inference_speed": "a factored export's prefill and decode speed against the dense export",
+    "loader_memory": "the loader's host memory and time to the first batch against the corpus size",
 }
 
 # For every committed result: the commit that last wrote it (`git log -1 -- benchmarks/results/NAME.json`) and,
@@ -96,6 +98,8 @@ MEASURED_AT = {
     "inference_speed.json": ("064f017 (2026-12-02)", None),
     "inference_speed_before.json": ("e0efbfd (2026-12-02)", "4d6b548"),
     "inference_speed_compiled.json": ("064f017 (2026-12-02)", None),
+    "loader_memory.json": ("COMMIT (2026-12-03)", None),
+    "loader_memory_before.json": ("COMMIT (2026-12-03)", "e29368c"),
     "lowrank_init.json": ("9c250c9 (2026-12-02)", None),
     "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
     "peers.json": ("3ce9594 (2026-12-01)", None),
@@ -208,6 +212,7 @@ TABLES: dict[str, Callable[[], str]] = {
     **{name: functools.partial(lambda n: host_syncs.table(result(n)["results"]), name)
        for name in ("host_syncs", "host_syncs_before")},
     "lowrank_init": lambda: lowrank_init.table(result("lowrank_init")),
+    "loader_memory": lambda: loader_memory.table(result("loader_memory_before")["runs"] + result("loader_memory")["runs"]),
     **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
        for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled", "rigl_memory_mask",
                     "rigl_memory_set", "rigl_memory_sort", "rigl_memory_choice", "rigl_memory_bf16",

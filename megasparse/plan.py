@@ -164,7 +164,9 @@ def _largest_transient(model: Llama, cfg: Config, b: int, d: int) -> float:
     passes = max(2 * layer.shard_shape[0] * layer.shard_shape[1] * b + 3 * numel(layer) + 8 * layer.nnz
                  for layer in sparse)
     if cfg.sparse.regrow == "gradient":
-        choice = max(6 * numel(layer) + 24 * cfg.sparse.prune_fraction * layer.nnz for layer in sparse)
+        # 4 more bytes per weight where the whole dense gradient is a copy (columns padded: whole_matrix)
+        choice = max((6 + 4 * (layer.stored_shape[1] != layer.in_features)) * numel(layer)
+                     + 24 * cfg.sparse.prune_fraction * layer.nnz for layer in sparse)
         if cfg.gradient_accumulation_steps(d) > 1 and cfg.sparse.regrow_gradient == "step":
             choice += sum(4 * layer.shard_shape[0] * layer.shard_shape[1] for layer in sparse)
     else:

@@ -142,6 +142,11 @@ CASES = [
          "is for another model: model.n_layers=2, this config has 3", process=True),
     Case("checkpoint of another method", lambda s: train(s, "--resume", s.checkpoint("smet")),
          "is for another model: model.layer=sparse, this config has dense", process=True),
+    Case("checkpoint of other factor ranks", lambda s: train(s, "--resume", s.checkpoint("spectron"), method="spectron",
+                                                             lowrank={"rank_multiple": 8}),
+         "has other low-rank factors ({'q_proj': 16, 'k_proj': 16, 'v_proj': 16, 'o_proj': 16, 'gate_proj': 16, "
+         "'up_proj': 16, 'down_proj': 44}); this config's lowrank.rank, rank_ratio, rank_multiple and targets give",
+         process=True),
     Case("resume from nowhere", lambda s: train(s, "--resume", str(s.tmp / "nowhere")), "no complete megasparse checkpoint",
          process=True),
     Case("convert a non-checkpoint", lambda s: ["convert", "consolidate", str(s.tmp), "--out", str(s.tmp / "o")],

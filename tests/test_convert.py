@@ -14,7 +14,7 @@ import torch
 from helpers import final_weights, megasparse, megasparse_here, one_error_line, tiny_config, train_losses, write_config
 
 from megasparse.checkpoint.files import open_checkpoint, reference_model
-from megasparse.checkpoint.state import read_training_state
+from megasparse.checkpoint.state import local_shard, read_training_state
 from megasparse.checkpoint.weights import portable_tensors, read_model_directory, training_tensors
 from megasparse.config import config_from_dict
 from megasparse.data.loader import PretrainingBatches
@@ -23,6 +23,7 @@ from megasparse.data.tokenizer import load_tokenizer
 from megasparse.sparse.mask import pack
 from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
+from megasparse.parallel.mappings import TensorParallel
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,8 +57,16 @@ def model_from(directory: Path) -> Llama:
     """A single-process megasparse model holding a model directory's weights."""
     tensors, metadata = read_model_directory(directory)
     cfg = config_from_dict(json.loads(metadata["config"]))
-    model = Llama(cfg.model, int(metadata["vocab_size"]), layer_factory(cfg))
-    model.load_state_dict(training_tensors(tensors, reference_model(cfg, int(metadata["vocab_size"])), "test"))
+    return holding(training_tensors(tensors, reference_model(cfg, int(metadata["vocab_size"])), "test"), cfg,
+                   int(metadata["vocab_size"]))
+
+
+@torch.no_grad()
+def holding(weights: dict[str, torch.Tensor], cfg, vocab_size: int) -> Llama:
+    """A single-process megasparse model holding whole ``weights`` (each padded as the model stores it)."""
+    model = Llama(cfg.model, vocab_size, layer_factory(cfg))
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tensor.copy_(local_shard(weights[name], tensor, TensorParallel()))
     return model.eval()
 
 
@@ -129,16 +138,16 @@ def test_consolidated_forms(runs, tmp_path):
     assert f"{prefix}.A" not in dense
 
 
-@pytest.mark.parametrize("method,zero,nproc,tp", [("dense", 2, 2, 1), ("smet", 2, 2, 1), ("spectron", 2, 2, 2)])
+@pytest.mark.parametrize("method,zero,nproc,tp", [("dense", 2, 2, 1), ("smet", 2, 2, 1), ("spectron", 2, 2, 2),
+                                                  ("spectron-ffn180", 1, 4, 2)])
 def test_export_hf_logits_and_tokenizer(runs, tmp_path, method, zero, nproc, tp):
     """`transformers` loads the export; its logits equal the megasparse model's within 1e-4 (fp32) and its
-    tokenizer encodes like the SentencePiece model the data was made with."""
+    tokenizer encodes like the SentencePiece model the data was made with. A padded MLP (ffn_dim 180, stored as
+    2 x 96) exports its real width."""
     tag = trained(runs, method, zero, nproc, tp)
     megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "hf")).check()
     checkpoint = open_checkpoint(tag)
-    state = read_training_state(checkpoint)
-    ours = Llama(checkpoint.config.model, 400, layer_factory(checkpoint.config)).eval()
-    ours.load_state_dict(state.weights)
+    ours = holding(read_training_state(checkpoint).weights, checkpoint.config, 400)
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -214,6 +223,19 @@ def first_loss_from(directory: Path, dataset: Path, tmp_path: Path, method: str,
     result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), nproc=nproc).check()
     assert "initialised the model from" in result.stdout
     return train_losses(tmp_path / "out")[0]
+
+
+def test_import_hf_of_a_width_that_pads(runs, dataset, tmp_path):
+    """A Hugging Face model whose intermediate_size (180) the model stores padded imports dense and low-rank, and
+    continues training from it on 2 tensor-parallel ranks (2 x 96) with the Hugging Face model's first loss."""
+    hf = tmp_path / "hf"
+    megasparse_here("convert", "export-hf", str(trained(runs, "dense-ffn180", 0, 2, 2)), "--out", str(hf)).check()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
+    tensors = imported(hf, tmp_path / "dense")
+    assert tuple(tensors["layers.0.mlp.down_proj.weight"].shape) == (64, 180)
+    assert imported(hf, tmp_path / "lowrank", "--layer", "lowrank")["layers.0.mlp.gate_proj.A"].shape[0] == 180
+    first = first_loss_from(tmp_path / "dense", dataset, tmp_path, "dense-ffn180", 2, parallel={"tensor_parallel": 2})
+    assert first == pytest.approx(first_batch_loss(theirs, dataset, 1234), rel=1e-5)
 
 
 def test_import_hf_dense_reproduces_the_logits_and_continues_training(hf_model, dataset, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from megasparse.config import DataConfig
 from megasparse.data.corpus import iter_documents, stdlib_dir, stdlib_files
 from megasparse.data.loader import PretrainingBatches, evaluation_batches
+from megasparse.data.permutation import FeistelPermutation
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import ShardWriter, TokenWindows, open_prepared
 from megasparse.data.tokenizer import file_sha256, load_tokenizer
@@ -249,3 +250,44 @@ def test_separate_validation_files(tmp_path, corpus):
     with pytest.raises(UserError, match="missing.txt' does not exist"):
         prepare_data(DataConfig(path=str(tmp_path / "x"), files=[str(train[0])], val_files=[str(tmp_path / "missing.txt")]),
                      progress=False)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64, 65, 1000, 4097])
+def test_the_permutation_is_a_bijection(size):
+    """Every size, powers of 4 and their neighbours included (cycle-walking), for several seeds."""
+    for seed in [(0, 0), (3, 1), (3, 2)]:
+        image = FeistelPermutation(size, seed)(np.arange(size))
+        assert sorted(image.tolist()) == list(range(size))
+
+
+def test_the_permutation_looks_random_and_depends_on_seed_and_epoch():
+    """For 10^4 elements: mean displacement |pi(i) - i| near N/3 (a uniform permutation's), near-zero
+    correlation with the identity and between neighbours, few fixed points; other seeds and epochs differ."""
+    n = 10_000
+    i = np.arange(n)
+    image = FeistelPermutation(n, (3, 0))(i)
+    assert abs(np.abs(image - i).mean() / n - 1 / 3) < 0.02
+    assert abs(np.corrcoef(image, i)[0, 1]) < 0.05 and abs(np.corrcoef(image[:-1], image[1:])[0, 1]) < 0.05
+    assert (image == i).sum() < 10
+    for other in [(4, 0), (3, 1)]:
+        assert (FeistelPermutation(n, other)(i) == image).mean() < 0.01
+
+
+class _Endless:
+    """Windows of a corpus too large for any permutation held in memory (10^15): window i is [i, i + 1, i + 2]."""
+
+    def __len__(self) -> int:
+        return 10**15
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.arange(i, i + 3, dtype=np.int64)
+
+
+def test_the_loader_needs_no_memory_per_window():
+    """A loader over 10^15 windows gives its batches at once, in the first epoch and across the first boundary
+    (a materialised permutation would need 8 PB); two layouts read the same global batch there."""
+    windows = _Endless()
+    loaders = stream(windows, 2, 3, consumed=10**15 - 6)  # the step's 12 samples: 6 of epoch 0, 6 of epoch 1
+    other = stream(windows, 1, 12, consumed=10**15 - 6)
+    rows = global_batch_rows(loaders)
+    assert rows == global_batch_rows(other) and len(set(rows)) == 12

@@ -8,18 +8,20 @@ after 8 steps, checkpoints hold the real 180-wide tensors, and a run resumes acr
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
-from helpers import assert_same_model, final_weights, megasparse, megasparse_here, tiny_config, train_losses, write_config
+from helpers import (assert_same_model, final_weights, megasparse, megasparse_here, one_error_line, tiny_config,
+                     train_losses, write_config)
 
 from megasparse.checkpoint.files import open_checkpoint, reference_model
 from megasparse.checkpoint.state import read_training_state
 from megasparse.parallel.mappings import TensorParallel
 
-# (method, ZeRO stage, processes) at 2 tensor-parallel ranks. Weights: dense within 1e-5; Spectron's and SMET's
-# within 1e-4, where the optimizers magnify the split sums' rounding (Spectron's differ by 1.1e-5 here, 2.8e-6 at
+# (method, ZeRO stage, processes) at 2 tensor-parallel ranks. Weights within 1e-4: the optimizers and the curve's
+# gradient spikes (helpers.GRAD_NORM) magnify the split sums' rounding (Spectron's differ by 1.1e-5 here, 2.8e-6 at
 # ffn_dim 176 unpadded; test_spectron.py shows a padded pair stepping as the unpadded one at 1e-6)
 CASES = [("dense-ffn180", 0, 2), ("spectron-ffn180", 1, 4), ("smet-tp-rigl-ffn180", 3, 4)]
 
@@ -33,7 +35,7 @@ def test_padded_mlp_trains_as_one_process(runs, method, zero, nproc):
     reference, run = runs(0, 1, 1, method=method), runs(zero, nproc, 1, method=method, tp=2)
     assert train_losses(run) == pytest.approx(train_losses(reference), rel=1e-5)
     expected, actual = read_training_state(step8(reference)), read_training_state(step8(run))
-    assert_same_model(actual.weights, expected.weights, rel=1e-5 if method.startswith("dense") else 1e-4)
+    assert_same_model(actual.weights, expected.weights, rel=1e-4)
     shapes = {name: tuple(t.shape) for name, t in actual.weights.items()}  # whole: the real width, not 184 or 192
     assert not any(set(shape) & {184, 192} for shape in shapes.values()), shapes
     assert method.startswith("smet") or shapes["layers.0.mlp.down_proj." + ("B" if "spectron" in method else "weight")][1] == 180
@@ -97,18 +99,26 @@ def test_llama_1b_splits_into_aligned_shards(t):
     assert mlp == 24 * 3 * 2048 * 5461
 
 
-def test_a_checkpoint_of_the_unpadded_width_says_how_to_carry_it_over(runs, tmp_path):
-    """A checkpoint that stores the MLP's real width (180, as megasparse did before padding it) is refused in one
-    line that names the way over: that version's `convert consolidate`, then checkpoint.init_from."""
-    from megasparse.errors import UserError
+def test_a_checkpoint_of_the_unpadded_width_says_how_to_convert_it(runs, dataset, tmp_path):
+    """A checkpoint whose megasparse.json does not say it stores the MLP padded (written before: the width 180 whole
+    at TP 1) is refused in one line by resume and by the converters, naming the conversion that carries it over;
+    one whose width needs no padding (176) still loads."""
+    tag = written_before_padding(runs(0, 1, 1, method="dense-ffn180"), tmp_path / "step_00000004")
+    message = "stores the MLP's width 180 unpadded over 1 tensor-parallel rank(s), as megasparse did before it " \
+              f"stored 184; convert it with the megasparse that wrote it, `megasparse convert reshard {tag} --out DIR`"
+    cfg = tiny_config(dataset, tmp_path / "out", "dense-ffn180")
+    one_error_line(megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(tag)), message)
+    one_error_line(megasparse_here("convert", "consolidate", str(tag), "--out", str(tmp_path / "c")), message)
+    assert not (tmp_path / "c").exists()
+    assert read_training_state(open_checkpoint(written_before_padding(runs(0, 1, 1), tmp_path / "plain"))).weights
 
-    tag = tmp_path / "step_00000004"
-    shutil.copytree(runs(0, 1, 1, method="dense-ffn180") / "checkpoints" / "step_00000004", tag)
-    module_file = tag / "mp_rank_00_model_states.pt"
-    states = torch.load(module_file, weights_only=False)
-    for name, tensor in states["module"].items():
-        if 184 in tensor.shape:
-            states["module"][name] = tensor.narrow(list(tensor.shape).index(184), 0, 180).clone()
-    torch.save(states, module_file)
-    with pytest.raises(UserError, match="unpadded.*convert consolidate.*checkpoint.init_from"):
-        read_training_state(open_checkpoint(tag, verify=False))
+
+def written_before_padding(run, tag):
+    """A copy of ``run``'s step-4 checkpoint whose megasparse.json is as megasparse wrote it before padding the MLP
+    (no ``mlp_storage``; the manifest left out, as it would no longer match)."""
+    shutil.copytree(run / "checkpoints" / "step_00000004", tag)
+    meta = json.loads((tag / "megasparse.json").read_text())
+    del meta["mlp_storage"]
+    (tag / "megasparse.json").write_text(json.dumps(meta))
+    (tag / "manifest.json").unlink()
+    return tag

@@ -12,16 +12,17 @@ import shutil
 
 import pytest
 import torch
-from helpers import final_weights, megasparse, tiny_config, train_losses, write_config
+from helpers import GRAD_NORM, final_weights, megasparse, tiny_config, train_losses, write_config
 
 from megasparse.checkpoint.files import open_checkpoint
 from megasparse.checkpoint.state import read_training_state
 from megasparse.train.metrics import read_metrics
 
 # Reference curve of the single-process fp32 run (llama-tiny on the test corpus, torch 2.13 CPU),
-# as torchtitan keeps them: a model, data or optimizer change that moves it changes behaviour,
+# as torchtitan keeps them: a model, data or optimizer change that moves it changes behaviour (the data order
+# moved it when the loader's permutation became a Feistel network),
 # and updating it is a deliberate act (copy the curve that test_reference_loss_curve reports).
-REFERENCE_LOSSES = [6.0007386, 5.8367481, 5.3046627, 5.0793500, 4.7180171, 4.5687928, 4.6033607, 4.7346745]
+REFERENCE_LOSSES = [6.0036950, 5.8381834, 5.3465981, 5.0011106, 4.6557717, 4.5637574, 4.5969262, 4.5704994]
 
 
 # Every ZeRO stage on 2 ranks with and without accumulation; on one rank, accumulation (ZeRO-0) and ZeRO-2.
@@ -34,7 +35,7 @@ def test_same_loss_curve_in_every_layout(runs, zero, nproc, accumulation):
     losses = train_losses(run)
     assert len(losses) == len(train_losses(reference)) == 8
     assert losses == pytest.approx(train_losses(reference), rel=1e-5)
-    assert metric(run, "grad_norm") == pytest.approx(metric(reference, "grad_norm"), rel=1e-4)
+    assert metric(run, "grad_norm") == pytest.approx(metric(reference, "grad_norm"), rel=GRAD_NORM)
     assert metric(run, "val_loss", "eval") == pytest.approx(metric(reference, "val_loss", "eval"), rel=1e-5)
 
 

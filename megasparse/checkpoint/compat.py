@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from megasparse.checkpoint.files import CheckpointMeta
-from megasparse.checkpoint.legacy import BITMASK
+from megasparse.checkpoint.legacy import BITMASK, PADDED
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
+from megasparse.model.factory import low_ranks
+from megasparse.parallel.layers import padded_width
 
 
 def same_layout(meta: CheckpointMeta, cfg: Config, data_parallel_size: int) -> bool:
@@ -24,6 +26,17 @@ def same_layout(meta: CheckpointMeta, cfg: Config, data_parallel_size: int) -> b
     return (current and meta.format == "deepspeed" and meta.tensor_parallel_size == cfg.parallel.tensor_parallel
             and partitioned[saved_stage] == partitioned[stage]
             and (stage == 0 or meta.data_parallel_size == data_parallel_size))
+
+
+def refuse_unpadded(meta: CheckpointMeta, tag_dir: Path) -> None:
+    """Fail with one line, saying how to convert it, if the checkpoint's DeepSpeed files hold the MLP's hidden width
+    unpadded where its layout now pads it (written before megasparse padded that width: parallel/layers.py)."""
+    ffn, ranks = config_from_dict(meta.config).model.ffn_dim, meta.tensor_parallel_size
+    if meta.format == "deepspeed" and meta.mlp_storage != PADDED and padded_width(ffn, ranks) != ffn:
+        raise UserError(f"checkpoint '{tag_dir}' stores the MLP's width {ffn} unpadded over {ranks} tensor-parallel "
+                        f"rank(s), as megasparse did before it stored {padded_width(ffn, ranks)}; convert it with the "
+                        f"megasparse that wrote it, `megasparse convert reshard {tag_dir} --out DIR` (every tensor "
+                        "whole, optimizer state included), and resume from DIR")
 
 
 def check_same_model(saved: Config, cfg: Config, source: str) -> None:
@@ -42,6 +55,7 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
     """Fail with one line if the checkpoint cannot continue this run."""
     saved = config_from_dict(meta.config)
     check_same_model(saved, cfg, f"checkpoint '{tag_dir}'")
+    refuse_unpadded(meta, tag_dir)
     if meta.vocab_size != vocab_size:
         raise UserError(f"checkpoint '{tag_dir}' has vocabulary size {meta.vocab_size}, the data's tokenizer {vocab_size}")
     if meta.tokenizer_sha256 != tokenizer_sha256:
@@ -57,6 +71,6 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
         theirs, ours = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
         if theirs != ours:
             raise UserError(f"checkpoint '{tag_dir}' was trained with {key}={theirs}; this config has {ours}")
-    if cfg.model.layer == "lowrank" and (saved.lowrank.rank, saved.lowrank.rank_ratio, saved.lowrank.targets) != (
-            cfg.lowrank.rank, cfg.lowrank.rank_ratio, cfg.lowrank.targets):
-        raise UserError(f"checkpoint '{tag_dir}' has other low-rank factor shapes (lowrank.rank, rank_ratio, targets)")
+    if cfg.model.layer == "lowrank" and low_ranks(saved) != low_ranks(cfg):
+        raise UserError(f"checkpoint '{tag_dir}' has other low-rank factors ({low_ranks(saved)}); this config's "
+                        f"lowrank.rank, rank_ratio, rank_multiple and targets give {low_ranks(cfg)}")

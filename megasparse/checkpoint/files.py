@@ -63,6 +63,7 @@ class CheckpointMeta:
     tensor_parallel_size: int = 1
     format: str = "deepspeed"  # or "universal" (megasparse convert reshard)
     sparse_storage: str = "index"  # sparse layers' positions: "bitmask", or "index" (before; see legacy.py)
+    mlp_storage: str = "real"  # the MLP's hidden width: "padded" to split and align (parallel/layers.py), or "real" (before)
 
     @classmethod
     def read(cls, tag_dir: Path) -> "CheckpointMeta":

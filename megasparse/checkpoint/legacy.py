@@ -18,6 +18,7 @@ from megasparse.sparse.mask import pack
 
 INDEX, MASK, VALUES = ".index", ".mask", ".values"
 BITMASK = "bitmask"  # CheckpointMeta.sparse_storage of checkpoints that store masks
+PADDED = "padded"  # CheckpointMeta.mlp_storage of checkpoints that store the MLP's hidden width padded
 
 
 def index_name(mask_name: str) -> str:

@@ -39,6 +39,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 from torch import nn
 
+from megasparse.checkpoint.compat import refuse_unpadded
 from megasparse.checkpoint.durable import write_manifest
 from megasparse.checkpoint.files import (META_FILE, OPTIMIZER_FILE, TOKENIZER_FILE, UNIVERSAL, VALUES_FILE,
                                          WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, model_file,
@@ -77,6 +78,7 @@ def read_training_state(checkpoint: Checkpoint) -> TrainingState:
     if checkpoint.universal:
         return _read_universal(checkpoint)
     cfg, meta = checkpoint.config, checkpoint.meta
+    refuse_unpadded(meta, checkpoint.tag_dir)
     ranks = []
     for t in range(meta.tensor_parallel_size):
         model = reference_model(cfg, meta.vocab_size, TensorParallel(None, meta.tensor_parallel_size, t))
@@ -114,7 +116,7 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
             if entry["fp32"].numel() != params[name].numel():
                 raise UserError(f"'{path}' does not hold the model of its megasparse.json (its optimizer "
                                 f"partitions give '{name}' {entry['fp32'].numel()} elements, the model "
-                                f"{params[name].numel()}){_unpadded_hint(params[name], entry['fp32'].numel())}")
+                                f"{params[name].numel()})")
             weights[name] = entry.pop("fp32").view(params[name].shape)  # fp32 masters over bf16 module weights
     if checkpoint.zero_stage == 3:  # the parameters that do not train (sparse masks): from every rank's piece
         weights |= _zero3_frozen(checkpoint, t, states.get("frozen_param_shapes") or {})
@@ -128,23 +130,13 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
     weights = {name: weights.get(names[id(tensor)]) for name, tensor in module.items()}
     wrong = next((name for name, w in weights.items() if w is None or w.shape != shapes[name]), None)
     if wrong is not None:
-        hint = _unpadded_hint(params.get(wrong), weights[wrong].numel()) if weights[wrong] is not None else ""
         raise UserError(f"'{path}' does not hold the model of its megasparse.json (parameter '{wrong}' "
-                        f"missing or of another shape){hint}")
+                        "missing or of another shape)")
     for name, entry in optimizer.items():
         for key, value in entry.items():
             if elementwise(value, params[name]):
                 entry[key] = value.view(params[name].shape)
     return {name: w.float() if w.is_floating_point() else w for name, w in weights.items()}, optimizer, states
-
-
-def _unpadded_hint(param: nn.Parameter | None, numel: int) -> str:
-    """How to carry over a checkpoint whose ``param`` holds ``numel`` elements: the real MLP width unpadded, as
-    megasparse stored it before it padded that width."""
-    if param is None or not hasattr(param, "padding") or numel != whole_shape(param, TensorParallel()).numel():
-        return ""
-    return ("; it holds the MLP's real width unpadded, as megasparse stored it before padding it: write a model "
-            "directory with that version's `megasparse convert consolidate` and start from it with checkpoint.init_from")
 
 
 def _zero3_frozen(checkpoint: Checkpoint, t: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:

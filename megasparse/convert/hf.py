@@ -19,11 +19,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megasparse.checkpoint.files import TOKENIZER_FILE, reference_model
+from megasparse.checkpoint.state import whole_shape
 from megasparse.checkpoint.weights import portable_tensors
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear, balanced_factors
 from megasparse.model.factory import low_ranks
+from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.mask import pack
 
@@ -155,7 +157,7 @@ def convert_projections(weights: dict[str, torch.Tensor], cfg: Config, vocab_siz
     """Dense Hugging Face weights as ``cfg``'s model holds them (state-dict names, whole): sparse
     projections keep their largest-magnitude weights, low-rank ones are factorised."""
     model = reference_model(cfg, vocab_size)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    expected = {name: tuple(whole_shape(t, TensorParallel())) for name, t in model.state_dict(keep_vars=True).items()}
     out = dict(weights)
     for prefix, module in model.named_modules():
         if isinstance(module, (SparseLinear, LowRankLinear)):

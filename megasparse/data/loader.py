@@ -1,8 +1,10 @@
 """Deterministic, data-parallel, exactly resumable batches of token windows.
 
 All processes read one global stream of windows: position p (counted over the whole run)
-is window ``perm_e[p mod N]`` of the N training windows, where e = p // N is the epoch and
-``perm_e`` a permutation seeded by (seed, e). Optimizer step s consumes the positions
+is window ``pi_e(p mod N)`` of the N training windows, where e = p // N is the epoch and
+``pi_e`` a permutation seeded by (seed, e), computed element by element
+(:class:`~megasparse.data.permutation.FeistelPermutation`): the loader's memory does not grow with
+N, and an epoch starts without drawing anything. Optimizer step s consumes the positions
 [c, c + G) with c the samples consumed before it and G the global batch. Micro-step m of
 data-parallel rank r takes the M positions starting at c + (m * D + r) * M (D ranks, M the
 micro batch), so the union over ranks and micro-steps is the same global batch for any D and
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from megasparse.data.permutation import FeistelPermutation
 from megasparse.data.shards import TokenWindows
 
 
@@ -25,7 +28,6 @@ class PretrainingBatches:
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
-        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     @property
     def accumulation_steps(self) -> int:
@@ -34,9 +36,9 @@ class PretrainingBatches:
     def next_tokens(self) -> torch.Tensor:
         """This rank's windows for the next optimizer step, one int64 tensor of shape (accumulation steps,
         micro batch, seq_len + 1): a single copy takes the whole step to the device."""
-        positions = [self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.micro_batch_size + i
-                     for m in range(self.accumulation_steps) for i in range(self.micro_batch_size)]
-        rows = np.stack([self.windows[self._window_at(p)] for p in positions])
+        micro_steps = np.arange(self.accumulation_steps)[:, None] * self.dp_size + self.dp_rank
+        positions = self.consumed_samples + micro_steps * self.micro_batch_size + np.arange(self.micro_batch_size)
+        rows = np.stack([self.windows[int(w)] for w in self.windows_at(positions.reshape(-1))])
         self.consumed_samples += self.global_batch_size
         return torch.from_numpy(rows).view(self.accumulation_steps, self.micro_batch_size, -1)
 
@@ -44,12 +46,14 @@ class PretrainingBatches:
         """This rank's (inputs, targets) micro-batches for the next optimizer step, on the host."""
         return [inputs_and_targets(tokens) for tokens in self.next_tokens()]
 
-    def _window_at(self, position: int) -> int:
-        epoch, offset = divmod(position, len(self.windows))
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
-        return int(self._perm[offset])
+    def windows_at(self, positions: np.ndarray) -> np.ndarray:
+        """The windows at stream ``positions`` (int64): pi_e(p mod N) for each p, e = p // N."""
+        epochs, offsets = np.divmod(positions, len(self.windows))
+        windows = np.empty_like(offsets)
+        for epoch in np.unique(epochs):  # one or two: a step ends at most one epoch
+            here = epochs == epoch
+            windows[here] = FeistelPermutation(len(self.windows), (self.seed, int(epoch)))(offsets[here])
+        return windows
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

@@ -119,9 +119,11 @@ class SparseLinear(nn.Module):
         return gather_along(values, 0, self.tp) if self.parallel else values
 
     def whole_matrix(self, part: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like W (RigL's dense gradient) joined from every tensor-parallel rank's ``part`` of it."""
+        """A contiguous tensor shaped like the real W (RigL's dense gradient) joined from every tensor-parallel rank's
+        ``part`` of it: a copy where W is stored with padded columns (4 more bytes per weight), else no copy beyond
+        the gather."""
         whole = gather_along(part, 0 if self.parallel == "column" else 1, self.tp) if self.parallel else part
-        return whole[:self.out_features, :self.in_features]
+        return whole[:self.out_features, :self.in_features].contiguous()
 
     def positions(self) -> torch.Tensor:
         """The flat positions in W of the layer's slots, ascending (int64). No host synchronisation."""
