@@ -94,19 +94,31 @@ def is_main_process() -> bool:
     return dist.get_rank() == 0
 
 
-def rank0_runs(work: Callable[[], T], what: str) -> T | None:
+PATIENCE = timedelta(days=365)  # how long the other ranks wait for rank 0's unbounded work: as long as it takes
+
+
+def rank0_runs(work: Callable[[], T], what: str, patient: bool = False) -> T | None:
     """Run ``work`` on rank 0 only, while the other ranks wait; if it fails, fail on every rank.
 
-    Rank 0 re-raises its own error; the others raise a one-line error naming ``what`` failed.
+    Rank 0 re-raises its own error; the others raise a one-line error naming ``what`` failed. With ``patient``
+    (work whose length nothing bounds, such as preparing a corpus) the others wait as long as it takes
+    (``PATIENCE``), in a gloo group made for the wait, not in a collective under ``parallel.timeout_minutes``;
+    a rank 0 that dies still fails them at once (gloo sees its connection close).
     """
+    group = torch.distributed.new_group(backend="gloo", timeout=PATIENCE) if patient else None
     result, error = None, None
     if is_main_process():
         try:
             result = work()
         except Exception as exc:  # re-raised below, after the others know
             error = exc
-    failed = torch.tensor([1.0 if error else 0.0], device=get_accelerator().current_device_name())
-    dist.all_reduce(failed)
+    device = "cpu" if patient else get_accelerator().current_device_name()
+    failed = torch.tensor([1.0 if error else 0.0], device=device)
+    if patient:
+        torch.distributed.all_reduce(failed, group=group)
+        torch.distributed.destroy_process_group(group)
+    else:
+        dist.all_reduce(failed)
     if error is not None:
         raise error
     if failed.item():

@@ -139,7 +139,7 @@ def load_or_prepare(cfg: Config) -> PreparedData:
             _log(f"no dataset at {path} yet: preparing it from {', '.join(describe_sources(cfg.data))}")
             prepare_data(cfg.data)
 
-        rank0_runs(prepare, "data preparation")
+        rank0_runs(prepare, "data preparation", patient=True)  # a large corpus may take longer than the timeout
     return open_prepared(path)
 
 
