@@ -39,6 +39,7 @@ import lowrank_init  # noqa: E402
 import lowrank_speed  # noqa: E402
 import model_build  # noqa: E402
 import peers  # noqa: E402
+import prepare_speed  # noqa: E402
 import rigl_memory  # noqa: E402
 import smet_cold_start  # noqa: E402
 import smet_memory  # noqa: E402
@@ -86,6 +87,7 @@ BENCHMARKS = {
     "sparse_inference": "a sparse block's products in CSR against dense, for inference",
     "inference_speed": "a factored export's prefill and decode speed against the dense export",
     "loader_memory": "the loader's host memory and time to the first batch against the corpus size",
+    "prepare_speed": "prepare-data's tokens/s per worker, 1 against 2 workers, and a kill half-way's cost",
 }
 
 # For every committed result: the commit that last wrote it (`git log -1 -- benchmarks/results/NAME.json`) and,
@@ -103,6 +105,7 @@ MEASURED_AT = {
     "lowrank_init.json": ("9c250c9 (2026-12-02)", None),
     "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
     "peers.json": ("3ce9594 (2026-12-01)", None),
+    "prepare_speed.json": ("COMMIT (2026-12-03)", None),
     "peers_before.json": ("3ce9594 (2026-12-01)", "3ce9594 without its single-rank ZeRO-0 change"),
     "rigl_memory.json": ("e0efbfd (2026-12-02)", None),
     "rigl_memory_before.json": ("c67c71d (2026-12-02)", "4d6b548"),
@@ -212,6 +215,7 @@ TABLES: dict[str, Callable[[], str]] = {
     **{name: functools.partial(lambda n: host_syncs.table(result(n)["results"]), name)
        for name in ("host_syncs", "host_syncs_before")},
     "lowrank_init": lambda: lowrank_init.table(result("lowrank_init")),
+    "prepare_speed": lambda: prepare_speed.table(result("prepare_speed")),
     "loader_memory": lambda: loader_memory.table(result("loader_memory_before")["runs"] + result("loader_memory")["runs"]),
     **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
        for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled", "rigl_memory_mask",

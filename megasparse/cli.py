@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--hf-dataset", help="Hugging Face hub dataset to stream: data.hf_dataset")
     prep.add_argument("--tokenizer", help="an existing SentencePiece model: data.tokenizer")
     prep.add_argument("--vocab-size", type=int, help="size of the tokenizer to train: data.vocab_size")
+    prep.add_argument("--max-tokens", type=int, help="stop after this many training tokens: data.max_tokens")
+    prep.add_argument("--workers", type=int, help="tokenizer processes: data.workers")
     prep.add_argument("--out", help="output directory: data.path")
     prep.set_defaults(run=_prepare_data)
 
@@ -120,7 +122,7 @@ def _prepare_data(args: argparse.Namespace) -> None:
     from megasparse.data.prepare import prepare_data
 
     flags = {"files": args.files, "hf_dataset": args.hf_dataset, "tokenizer": args.tokenizer,
-             "vocab_size": args.vocab_size, "path": args.out}
+             "vocab_size": args.vocab_size, "max_tokens": args.max_tokens, "workers": args.workers, "path": args.out}
     overrides = args.overrides + [f"data.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     cfg: Config = load_config(args.config, overrides)
     cfg.check_paths(["data.path", "data.tokenizer"])

@@ -154,6 +154,7 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)  # validation text; empty: hold out val_fraction
     val_fraction: float = number(0.01, ge=0, lt=1)  # fraction of documents held out for validation (without val_files)
     max_documents: int = number(0, ge=0)  # 0: all documents
+    max_tokens: int = number(0, ge=0)  # prepare-data stops at the first document boundary past this many training tokens; 0: all
     shard_tokens: int = number(100_000_000, gt=0)
     workers: int = number(0, ge=0)  # tokenizer processes; 0: one per CPU core (at most 8)
 

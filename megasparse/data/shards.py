@@ -29,13 +29,21 @@ TOKENIZER_FILE = "tokenizer.model"
 
 
 class ShardWriter:
-    """Append token arrays to ``<split>-NNNNN.bin`` files of at most ``shard_tokens`` tokens."""
+    """Append token arrays to ``<split>-NNNNN.bin`` files of at most ``shard_tokens`` tokens; with ``resume`` (a
+    :meth:`state` it wrote), continue from that state, cutting off what was written after it."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 resume: dict[str, Any] | None = None) -> None:
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, np.dtype(dtype), shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self.documents = 0
+        self.shards: list[dict[str, Any]] = [dict(s) for s in resume["shards"]] if resume else []
+        self.documents = resume["documents"] if resume else 0
         self._handle = None
+        for stale in sorted(directory.glob(f"{split}-*.bin"))[len(self.shards):]:  # begun after the state
+            stale.unlink()
+        if self.shards:  # the last shard continues where the state ends
+            self._handle = (directory / self.shards[-1]["file"]).open("r+b")
+            self._handle.truncate(self.shards[-1]["tokens"] * self.dtype.itemsize)
+            self._handle.seek(0, os.SEEK_END)
 
     def write(self, tokens: np.ndarray) -> None:
         """Append one document's tokens (it may continue into the next shard)."""
@@ -49,11 +57,22 @@ class ShardWriter:
             self._handle.write(head.tobytes())
             self.shards[-1]["tokens"] += int(head.size)
 
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards)
+
+    def state(self) -> dict[str, Any]:
+        """What has been written, on disk (flushed and synced): the split's entry for the index."""
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        return {"documents": self.documents, "tokens": self.tokens, "shards": [dict(s) for s in self.shards]}
+
     def close(self) -> dict[str, Any]:
         """Flush to disk; return the split's entry for the index."""
         if self._handle is not None:
             self._close_current()
-        return {"documents": self.documents, "tokens": sum(s["tokens"] for s in self.shards), "shards": self.shards}
+        return self.state()
 
     def _open_next(self) -> None:
         if self._handle is not None:
