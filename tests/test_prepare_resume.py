@@ -118,3 +118,24 @@ def test_max_tokens_stops_at_the_first_document_boundary_past_it(corpus, dataset
                                         tokenizer=str(dataset / "tokenizer.model"), workers=1,
                                         max_documents=documents - 1), progress=False)
     assert one_fewer.index["splits"]["train"]["tokens"] < 5000  # the last document is the one that crossed it
+
+
+def test_one_preparation_of_a_path_at_a_time_and_a_complete_staging_is_only_renamed(corpus, dataset, tmp_path):
+    """A second preparation of the same path while one runs (holding the lock) is refused in one line; a staging
+    directory that is complete (killed between its last record and the rename) is renamed, not rebuilt."""
+    import fcntl
+    import shutil
+
+    cfg = DataConfig(path=str(tmp_path / "out"), files=[str(corpus / "*.txt")], tokenizer=str(dataset / "tokenizer.model"),
+                     workers=1)
+    with open(tmp_path / ".out.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match="another preparation of .* is running"):
+            prepare_data(cfg, progress=False)
+    staging = tmp_path / ".out.staging"
+    shutil.copytree(dataset, staging)
+    marker = staging / "train-00000.bin"
+    marker.write_bytes(marker.read_bytes())  # the same bytes, a new inode: renamed, so still this file
+    inode = marker.stat().st_ino
+    assert prepare_data(cfg, progress=False).directory == tmp_path / "out"
+    assert (tmp_path / "out" / "train-00000.bin").stat().st_ino == inode and not staging.exists()

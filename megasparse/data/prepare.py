@@ -11,13 +11,15 @@ atomically, how many documents of the stream they hold and each split's shards a
 that is killed (or interrupted) leaves its staging directory; run with the same settings again and it cuts each
 shard back to the recorded count, skips the recorded documents (read, not tokenised) and goes on, so it ends
 byte for byte as an uninterrupted one would (the output is a function of the document stream and the
-tokenizer, which is kept). Settings that would change the bytes (the sources and their files' sizes and times,
+tokenizer, which is kept); one killed after it completed is only renamed. A lock file (``.<name>.lock``) keeps a
+second preparation of the same path out. Settings that would change the bytes (the sources and their files' sizes and times,
 the tokenizer, the split, the budgets, the shard size) are recorded too; a staging directory of other settings
 is refused, not overwritten. Bad input removes it.
 """
 from __future__ import annotations
 
 import collections
+import fcntl
 import itertools
 import json
 import multiprocessing
@@ -55,18 +57,37 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
         raise UserError(f"no text found in {', '.join(sources)}")
     staging = out.parent / f".{out.name}.staging"
     settings = _settings(cfg, sources)
-    resume = _progress(staging, settings)
-    staging.mkdir(parents=True, exist_ok=True)
-    try:
-        _build(cfg, staging, settings, resume, progress)
-    except UserError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    (staging / PROGRESS_FILE).unlink()
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _only_preparation(out):
+        resume = _progress(staging, settings)
+        staging.mkdir(exist_ok=True)
+        if not (staging / INDEX_FILE).is_file():  # else complete, killed before its rename
+            try:
+                _build(cfg, staging, settings, resume, progress)
+            except UserError:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            (staging / PROGRESS_FILE).unlink()
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
     return open_prepared(out)
+
+
+@contextmanager
+def _only_preparation(out: Path) -> Iterator[None]:
+    """Hold the lock that makes this the only preparation of ``out`` (two would write into one staging
+    directory), or fail in one line."""
+    lock = out.parent / f".{out.name}.lock"
+    with lock.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another preparation of '{out}' is running (it holds '{lock}')") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
 
 
 def _settings(cfg: DataConfig, sources: list[str]) -> dict[str, Any]:
@@ -81,8 +102,9 @@ def _settings(cfg: DataConfig, sources: list[str]) -> dict[str, Any]:
 def _progress(staging: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     """The recorded progress of an interrupted preparation in ``staging`` (None: none to continue), checked to
     be of these settings."""
-    if not staging.exists():
+    if not staging.exists() or (staging / INDEX_FILE).is_file():  # nothing begun, or complete
         return None
+    (staging / f"{PROGRESS_FILE}.tmp").unlink(missing_ok=True)  # a record being written when it was killed
     try:
         recorded = json.loads((staging / PROGRESS_FILE).read_text())
     except (OSError, ValueError):  # killed before its first record: nothing worth keeping
@@ -105,6 +127,11 @@ def _commit(staging: Path, settings: dict[str, Any], documents: int, writers: di
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, staging / PROGRESS_FILE)
+    directory = os.open(staging, os.O_RDONLY)  # the new names (shards, tokenizer, record) durable too
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _build(cfg: DataConfig, staging: Path, settings: dict[str, Any], resume: dict[str, Any] | None,

@@ -38,7 +38,8 @@ class ShardWriter:
         self.shards: list[dict[str, Any]] = [dict(s) for s in resume["shards"]] if resume else []
         self.documents = resume["documents"] if resume else 0
         self._handle = None
-        for stale in sorted(directory.glob(f"{split}-*.bin"))[len(self.shards):]:  # begun after the state
+        begun = sorted(directory.glob(f"{split}-*.bin"), key=lambda path: int(path.stem.rsplit("-", 1)[1]))
+        for stale in begun[len(self.shards):]:  # begun after the state
             stale.unlink()
         if self.shards:  # the last shard continues where the state ends
             self._handle = (directory / self.shards[-1]["file"]).open("r+b")

@@ -94,6 +94,13 @@ def is_main_process() -> bool:
     return dist.get_rank() == 0
 
 
+def rank0_decides(decision: bool) -> bool:
+    """Rank 0's ``decision``, on every rank (each rank passes its own; only rank 0's counts)."""
+    value = torch.tensor([float(decision)], device=get_accelerator().current_device_name())
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
 PATIENCE = timedelta(days=365)  # how long the other ranks wait for rank 0's unbounded work: as long as it takes
 
 
@@ -103,7 +110,8 @@ def rank0_runs(work: Callable[[], T], what: str, patient: bool = False) -> T | N
     Rank 0 re-raises its own error; the others raise a one-line error naming ``what`` failed. With ``patient``
     (work whose length nothing bounds, such as preparing a corpus) the others wait as long as it takes
     (``PATIENCE``), in a gloo group made for the wait, not in a collective under ``parallel.timeout_minutes``;
-    a rank 0 that dies still fails them at once (gloo sees its connection close).
+    a rank 0 whose process dies still fails them at once (gloo sees its connection close); a lost node is the
+    heartbeat's to see (``Heartbeat.waiting_on_rank_0``).
     """
     group = torch.distributed.new_group(backend="gloo", timeout=PATIENCE) if patient else None
     result, error = None, None

@@ -22,10 +22,12 @@ the diagnosis could name the dead or hung one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as torch_dist
@@ -57,6 +59,7 @@ class Heartbeat:
                                          is_master=False, timeout=timedelta(seconds=max(10.0, 3 * period_s)),
                                          wait_for_workers=False)
         self._stop = threading.Event()
+        self._waiting_on_rank_0 = False
         self._thread = threading.Thread(target=self._beat, name="megasparse-heartbeat", daemon=True)
         self._thread.start()
 
@@ -64,11 +67,25 @@ class Heartbeat:
         """The training loop completed a step."""
         self.last_progress = time.monotonic()
 
+    @contextlib.contextmanager
+    def waiting_on_rank_0(self) -> Iterator[None]:
+        """A wait for rank 0 that no collective timeout bounds (its data preparation): inside it, a store that
+        cannot be reached (rank 0, which hosts it, or its node is gone) ends this process with one line."""
+        self._waiting_on_rank_0 = True
+        try:
+            yield
+        finally:
+            self._waiting_on_rank_0 = False
+
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
                 self.store.add(self._key(self.rank), 1)
             except Exception:  # the store is gone (rank 0 died): the main thread's collective will say so
+                if self._waiting_on_rank_0:  # unless it waits without a deadline
+                    print(f"megasparse: error: rank {self.rank}: rank 0 (which hosts the rendezvous store) cannot be "
+                          "reached while this rank waits for it: it or its node is gone", file=sys.stderr, flush=True)
+                    os._exit(2)
                 return
             if time.monotonic() - self.last_progress > self.stall_timeout_s:
                 diagnosis = self.diagnosis()

@@ -7,6 +7,7 @@ logged loss is the mean over the whole global batch (all micro-batches, all rank
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -44,7 +45,8 @@ from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
 from megasparse.model.placement import DTYPES, built_on, partitions_as_built, zero3_partition
 from megasparse.optim.partitions import optimizer_fragments
-from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
+from megasparse.parallel.distributed import (gradient_norm, init_distributed, is_main_process, rank0_decides,
+                                             rank0_runs)
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.mappings import TensorParallel
@@ -131,15 +133,17 @@ def wandb_run(cfg: Config) -> WandbRun | None:
                     cfg.to_dict())
 
 
-def load_or_prepare(cfg: Config) -> PreparedData:
-    """The dataset at ``data.path``, prepared first (on rank 0) if it does not exist yet."""
+def load_or_prepare(cfg: Config, heartbeat: Heartbeat | None = None) -> PreparedData:
+    """The dataset at ``data.path``, prepared first (on rank 0, if rank 0 does not find it) if it does not exist
+    yet; the other ranks wait as long as it takes (watched by ``heartbeat``, where there is one)."""
     path = Path(cfg.data.path)
-    if not (path / INDEX_FILE).exists():
+    if rank0_decides(not (path / INDEX_FILE).exists()):
         def prepare() -> None:
             _log(f"no dataset at {path} yet: preparing it from {', '.join(describe_sources(cfg.data))}")
             prepare_data(cfg.data)
 
-        rank0_runs(prepare, "data preparation", patient=True)  # a large corpus may take longer than the timeout
+        with heartbeat.waiting_on_rank_0() if heartbeat else contextlib.nullcontext():
+            rank0_runs(prepare, "data preparation", patient=True)  # a large corpus may take longer than the timeout
     return open_prepared(path)
 
 
@@ -170,7 +174,7 @@ class Trainer:
         self.dp_rank, self.dp_size = parallel.data_parallel_rank, parallel.data_parallel_size
         self.dp_group = parallel.data_parallel_group
         t = cfg.training
-        self.data = load_or_prepare(cfg)
+        self.data = load_or_prepare(cfg, heartbeat)
         train_windows, self.eval_windows = usable_windows(cfg, self.data)
         self.epoch_sequences = len(train_windows)  # an epoch: every training window once
         self.tp = tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size,
