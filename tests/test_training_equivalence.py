@@ -150,3 +150,21 @@ def test_deterministic_mode(runs, dataset, tmp_path, monkeypatch):
     cfg = tiny_config(dataset, tmp_path / "out", training={"deterministic": True})
     megasparse("train", str(write_config(tmp_path / "run.yaml", cfg))).check()
     assert train_losses(tmp_path / "out") == train_losses(runs(0, 1, 1))
+
+
+def test_a_checkpoint_of_the_earlier_data_order_resumes_with_a_warning(runs, dataset, tmp_path):
+    """A checkpoint written before the loader's order was recorded (its drawn permutation) resumes, saying that the
+    rest of its epoch reads the windows in today's order."""
+    tag = tmp_path / "step_00000004"
+    shutil.copytree(runs(0, 1, 1) / "checkpoints" / "step_00000004", tag)
+    (tag / "manifest.json").unlink()
+    module_file = tag / "mp_rank_00_model_states.pt"
+    states = torch.load(module_file, weights_only=False)
+    del states["megasparse"]["loader"]["order"]
+    torch.save(states, module_file)
+    cfg = tiny_config(dataset, tmp_path / "out")
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(tag)).check()
+    assert "was written when the loader ordered the windows otherwise: the rest of epoch 0 reads them" in result.stdout
+    assert "ordered the windows otherwise" not in megasparse(
+        "train", str(write_config(tmp_path / "again.yaml", tiny_config(dataset, tmp_path / "again"))), "--resume",
+        str(runs(0, 1, 1) / "checkpoints" / "step_00000004")).check().stdout

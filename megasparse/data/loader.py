@@ -20,6 +20,9 @@ from megasparse.data.permutation import FeistelPermutation
 from megasparse.data.shards import TokenWindows
 
 
+ORDER = "feistel"  # how the windows are ordered, as checkpoints record it (before: a drawn permutation, unrecorded)
+
+
 class PretrainingBatches:
     def __init__(self, windows: TokenWindows, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0) -> None:
@@ -55,8 +58,8 @@ class PretrainingBatches:
             windows[here] = FeistelPermutation(len(self.windows), (self.seed, int(epoch)))(offsets[here])
         return windows
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
+    def state_dict(self) -> dict[str, int | str]:
+        return {"consumed_samples": self.consumed_samples, "order": ORDER}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.consumed_samples = int(state["consumed_samples"])

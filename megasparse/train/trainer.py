@@ -30,7 +30,7 @@ from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, ta
 from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import PROJECTIONS, Config, config_from_dict
 from megasparse.data.corpus import describe_sources, trains_on_embedded_corpus
-from megasparse.data.loader import PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
+from megasparse.data.loader import ORDER, PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
 from megasparse.data.tokenizer import continuation, file_sha256, load_tokenizer
@@ -258,6 +258,11 @@ class Trainer:
         meta = CheckpointMeta.read(tag_dir)
         state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
         self.loader.load_state_dict(state["loader"])
+        epoch, position = divmod(self.loader.consumed_samples, self.epoch_sequences)
+        if state["loader"].get("order") != ORDER and position:
+            _log(f"warning: {tag_dir} was written when the loader ordered the windows otherwise: the rest of epoch "
+                 f"{epoch} reads them in today's order, so some of its windows come again and others not at all "
+                 "(the next epochs are whole)")
         other = set_rng_state(state["rng"])
         if other:
             _log(f"warning: {tag_dir} was written on {other}: its {other} random state does not apply to "
