@@ -129,7 +129,10 @@ def _prepare_data(args: argparse.Namespace) -> None:
     data = prepare_data(cfg.data)
     splits = ", ".join(f"{name} {split['tokens']:,} tokens in {split['documents']:,} documents"
                        for name, split in data.index["splits"].items())
-    print(f"prepared {data.directory}: {splits}; vocabulary {data.vocab_size}")
+    trained = data.index["tokenizer"].get("trained_on")
+    sample = (f" (tokenizer trained on {trained['lines']:,} lines sampled from {trained['of_lines']:,} lines, "
+              f"{trained['of_bytes'] / 1e6:,.1f} MB of {trained['of_documents']:,} documents)") if trained else ""
+    print(f"prepared {data.directory}: {splits}; vocabulary {data.vocab_size}{sample}")
 
 
 def _train(args: argparse.Namespace) -> None:

@@ -10,7 +10,7 @@ from megasparse.data.loader import PretrainingBatches, evaluation_batches
 from megasparse.data.permutation import FeistelPermutation
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import ShardWriter, TokenWindows, open_prepared
-from megasparse.data.tokenizer import file_sha256, load_tokenizer
+from megasparse.data.tokenizer import file_sha256, load_tokenizer, training_sample
 from megasparse.errors import UserError
 
 
@@ -70,8 +70,11 @@ def test_prepare_with_an_existing_tokenizer_and_one_worker(dataset, corpus, tmp_
     out = tmp_path / "again"
     prepare_data(DataConfig(path=str(out), files=[str(corpus / "*.txt")], tokenizer=str(dataset / "tokenizer.model"),
                             val_fraction=0.1, workers=1), progress=False)
-    for name in ("index.json", "train-00000.bin", "val-00000.bin"):
+    for name in ("train-00000.bin", "val-00000.bin"):
         assert (out / name).read_bytes() == (dataset / name).read_bytes(), name
+    trained = open_prepared(dataset).index
+    del trained["tokenizer"]["trained_on"]  # what the tokenizer was trained on: only where it was trained
+    assert open_prepared(out).index == trained
 
 
 def test_jsonl_and_parquet_sources(tmp_path, dataset):
@@ -291,3 +294,24 @@ def test_the_loader_needs_no_memory_per_window():
     other = stream(windows, 1, 12, consumed=10**15 - 6)
     rows = global_batch_rows(loaders)
     assert rows == global_batch_rows(other) and len(set(rows)) == 12
+
+
+def test_the_tokenizer_sample_is_drawn_from_all_the_text():
+    """1,000 lines kept from 4,000 lines of two sources read one after the other: both halves in about equal
+    shares (the first lines alone would be all of the first), in reading order, the same every time; all lines
+    when there are fewer; with a byte budget only the documents up to it."""
+    documents = [f"first {i}\nfirst {i}b" for i in range(1000)] + [f"second {i}\nsecond {i}b" for i in range(1000)]
+    sample = training_sample(documents, size=1000)
+    second = sum(line.startswith("second") for line in sample.lines)
+    assert len(sample.lines) == 1000 and 430 <= second <= 570
+    assert (sample.of_lines, sample.of_documents) == (4000, 2000)
+    order = [int(line.split()[1].rstrip("b")) + 1000 * line.startswith("second") for line in sample.lines]
+    assert order == sorted(order) and training_sample(documents, size=1000) == sample
+    assert training_sample(documents[:10], size=1000).lines == [line for d in documents[:10] for line in d.split("\n")]
+    budget = training_sample(documents, size=1000, max_bytes=5000)
+    assert budget.of_bytes >= 5000 and budget.of_documents < 1000 and not any("second" in line for line in budget.lines)
+
+
+def test_the_index_states_what_the_tokenizer_was_trained_on(dataset):
+    trained = open_prepared(dataset).index["tokenizer"]["trained_on"]
+    assert trained["lines"] == trained["of_lines"] > 1000 and trained["of_documents"] > 100

@@ -34,8 +34,8 @@ from typing import Any
 from megasparse.config import DataConfig
 from megasparse.data.corpus import describe_sources, expand_files, iter_documents, validation_source
 from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, ShardWriter, open_prepared, write_index
-from megasparse.data.tokenizer import (encode_documents, file_sha256, init_worker, load_tokenizer, token_dtype,
-                                       train_tokenizer)
+from megasparse.data.tokenizer import (BYTES_PER_TOKEN, encode_documents, file_sha256, init_worker, load_tokenizer,
+                                       token_dtype, train_tokenizer, training_sample)
 from megasparse.errors import UserError
 from megasparse.progress import Progress
 
@@ -117,9 +117,11 @@ def _progress(staging: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     return recorded
 
 
-def _commit(staging: Path, settings: dict[str, Any], documents: int, writers: dict[str, ShardWriter]) -> None:
-    """Record, atomically, that the first ``documents`` documents are in the shards as they are on disk now."""
-    record = {"settings": settings, "documents": documents,
+def _commit(staging: Path, settings: dict[str, Any], documents: int, writers: dict[str, ShardWriter],
+            trained_on: dict[str, int] | None) -> None:
+    """Record, atomically, that the first ``documents`` documents are in the shards as they are on disk now
+    (and what the tokenizer was trained on)."""
+    record = {"settings": settings, "documents": documents, "tokenizer_trained_on": trained_on,
               "splits": {split: writer.state() for split, writer in writers.items()}}
     temporary = staging / f"{PROGRESS_FILE}.tmp"
     with temporary.open("w") as handle:
@@ -137,12 +139,15 @@ def _commit(staging: Path, settings: dict[str, Any], documents: int, writers: di
 def _build(cfg: DataConfig, staging: Path, settings: dict[str, Any], resume: dict[str, Any] | None,
            progress: bool) -> None:
     tokenizer_path = staging / TOKENIZER_FILE
+    trained_on = resume.get("tokenizer_trained_on") if resume else None
     if resume is None:
         if cfg.tokenizer:
             load_tokenizer(Path(cfg.tokenizer))  # fails clearly if it is not a SentencePiece model
             shutil.copyfile(cfg.tokenizer, tokenizer_path)
-        else:
-            train_tokenizer(iter_documents(cfg), cfg.vocab_size, tokenizer_path)
+        else:  # lines sampled from all the text to be prepared (with a budget: about that much of it)
+            sample = training_sample(iter_documents(cfg), max_bytes=BYTES_PER_TOKEN * cfg.max_tokens)
+            train_tokenizer(sample.lines, cfg.vocab_size, tokenizer_path)
+            trained_on = sample.describe()
     processor = load_tokenizer(tokenizer_path)
     if processor.eos_id() < 0:
         raise UserError(f"tokenizer '{cfg.tokenizer}' has no end-of-sequence piece to separate documents")
@@ -152,7 +157,7 @@ def _build(cfg: DataConfig, staging: Path, settings: dict[str, Any], resume: dic
     writers = {split: ShardWriter(staging, split, dtype, cfg.shard_tokens, resume["splits"][split] if resume else None)
                for split in ("train", "val")}
     if resume is None:
-        _commit(staging, settings, 0, writers)  # the tokenizer is kept from here on
+        _commit(staging, settings, 0, writers, trained_on)  # the tokenizer is kept from here on
 
     bar = Progress("tokenizing", "doc", enabled=progress, initial=done)
     labels: collections.deque = collections.deque()
@@ -178,7 +183,7 @@ def _build(cfg: DataConfig, staging: Path, settings: dict[str, Any], resume: dic
             if spent():
                 break
             if time.monotonic() - committed >= COMMIT_SECONDS:
-                _commit(staging, settings, done, writers)
+                _commit(staging, settings, done, writers, trained_on)
                 committed = time.monotonic()
     bar.close()
 
@@ -187,7 +192,8 @@ def _build(cfg: DataConfig, staging: Path, settings: dict[str, Any], resume: dic
         raise UserError(f"every document went to the validation split; lower data.val_fraction={cfg.val_fraction}")
     write_index(staging, {
         "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tokenizer_path), "vocab_size": vocab_size,
-                      "bos_id": processor.bos_id(), "eos_id": processor.eos_id()},
+                      "bos_id": processor.bos_id(), "eos_id": processor.eos_id(),
+                      **({"trained_on": trained_on} if trained_on else {})},
         "dtype": dtype.name,
         "sources": settings["sources"],
         "splits": splits,

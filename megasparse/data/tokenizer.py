@@ -6,8 +6,9 @@ split, no text normalisation (whitespace kept, so code survives), ids unk=0, bos
 from __future__ import annotations
 
 import hashlib
-import itertools
+import random
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,16 +16,54 @@ import sentencepiece as spm
 
 from megasparse.errors import UserError
 
-TRAINING_SENTENCES = 1_000_000  # the first this many lines train it (not a sample); enough for vocabularies up to ~64k
+TRAINING_SENTENCES = 1_000_000  # lines that train it, sampled from all it reads; enough for vocabularies up to ~64k
+BYTES_PER_TOKEN = 4  # text read for the sample per token of data.max_tokens (about what BPE gives on English)
 
 
-def train_tokenizer(documents: Iterable[str], vocab_size: int, model_path: Path) -> None:
-    """Train a BPE SentencePiece model on the lines of ``documents`` and write it to ``model_path``."""
-    lines = (line for doc in documents for line in doc.splitlines() if line.strip())
+@dataclass(frozen=True)
+class TrainingSample:
+    """The lines a tokenizer trains on, and what they were drawn from."""
+
+    lines: list[str]
+    of_lines: int
+    of_documents: int
+    of_bytes: int
+
+    def describe(self) -> dict[str, int]:
+        return {"lines": len(self.lines), "of_lines": self.of_lines, "of_documents": self.of_documents,
+                "of_bytes": self.of_bytes}
+
+
+def training_sample(documents: Iterable[str], size: int = TRAINING_SENTENCES, max_bytes: int = 0,
+                    seed: int = 0) -> TrainingSample:
+    """``size`` non-blank lines drawn uniformly without replacement from all those of ``documents`` (reservoir
+    sampling, Vitter's algorithm R, seeded: the same sample every time), kept in the order they were read; with
+    ``max_bytes``, from the documents up to the first one past that much text. Holds ``size`` lines at most."""
+    rng = random.Random(seed)
+    kept: list[tuple[int, str]] = []
+    seen = documents_read = bytes_read = 0
+    for document in documents:
+        if max_bytes and bytes_read >= max_bytes:
+            break
+        documents_read += 1
+        bytes_read += len(document.encode())
+        for line in document.splitlines():
+            if not line.strip():
+                continue
+            if seen < size:
+                kept.append((seen, line))
+            elif (slot := rng.randrange(seen + 1)) < size:
+                kept[slot] = (seen, line)
+            seen += 1
+    return TrainingSample([line for _, line in sorted(kept, key=lambda item: item[0])], seen, documents_read, bytes_read)
+
+
+def train_tokenizer(lines: Iterable[str], vocab_size: int, model_path: Path) -> None:
+    """Train a BPE SentencePiece model on ``lines`` (:func:`training_sample`) and write it to ``model_path``."""
     try:
         with model_path.open("wb") as handle:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=itertools.islice(lines, TRAINING_SENTENCES), model_writer=handle,
+                sentence_iterator=iter(lines), model_writer=handle,
                 vocab_size=vocab_size, model_type="bpe", byte_fallback=True, split_digits=True,
                 normalization_rule_name="identity", remove_extra_whitespaces=False,
                 allow_whitespace_only_pieces=True, max_sentence_length=1 << 14,
