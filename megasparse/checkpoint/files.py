@@ -35,6 +35,7 @@ from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
+from megasparse.parallel.layers import split_dimension
 from megasparse.parallel.mappings import TensorParallel
 
 META_FILE, TOKENIZER_FILE = "megasparse.json", "tokenizer.model"
@@ -113,8 +114,7 @@ def reference_model(cfg: Config, vocab_size: int, tp: TensorParallel = TensorPar
 
 def split_dimensions(model: nn.Module) -> dict[str, int | None]:
     """Per parameter name: the dimension it is split along over the tensor-parallel group, or None."""
-    return {name: getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
-            for name, p in model.named_parameters()}
+    return {name: split_dimension(p) for name, p in model.named_parameters()}
 
 
 @dataclass

@@ -48,7 +48,7 @@ from megasparse.checkpoint.legacy import BITMASK, index_name, upgrade_indices
 from megasparse.errors import UserError
 from megasparse.optim.groups import parameter_groups
 from megasparse.optim.partitions import full_shape, optimizer_fragments
-from megasparse.parallel.layers import local_piece, unpadded
+from megasparse.parallel.layers import local_piece, split_dimension, unpadded
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 
@@ -289,7 +289,7 @@ def whole_shape(like: torch.Tensor, tp: TensorParallel) -> torch.Size:
     """The real shape of the tensor whose piece on this rank is ``like``: joined over the tensor-parallel ranks
     where it is split (``partition_dim``), without its padding (``padding``)."""
     shape = list(full_shape(like))
-    split = getattr(like, "partition_dim", None) if getattr(like, "tensor_model_parallel", False) else None
+    split = split_dimension(like)
     if split is not None:
         shape[split] *= tp.size
     if hasattr(like, "padding"):

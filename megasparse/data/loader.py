@@ -53,7 +53,7 @@ class PretrainingBatches:
         """The windows at stream ``positions`` (int64): pi_e(p mod N) for each p, e = p // N."""
         epochs, offsets = np.divmod(positions, len(self.windows))
         windows = np.empty_like(offsets)
-        for epoch in np.unique(epochs):  # one or two: a step ends at most one epoch
+        for epoch in np.unique(epochs):  # one or two, unless a step holds more than an epoch's windows
             here = epochs == epoch
             windows[here] = FeistelPermutation(len(self.windows), (self.seed, int(epoch)))(offsets[here])
         return windows

@@ -52,8 +52,8 @@ def padded_width(width: int, parts: int) -> int:
 def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None, pad: bool = False) -> nn.Parameter:
     """``full`` (or, with ``dim``, this rank's slice of it along ``dim``) as a parameter marked for DeepSpeed;
     with ``pad``, ``full`` first takes zeros along ``dim`` up to :func:`padded_width` (on one rank as well)."""
-    width = full.shape[dim] if pad else None
     if pad:
+        width = full.shape[dim]
         full = F.pad(full, _pad_spec(full.dim(), dim, padded_width(width, tp.size) - width))
     param = nn.Parameter(full if dim is None or tp.size == 1 else tp.shard(full, dim))
     if dim is not None and tp.size > 1:
@@ -70,13 +70,18 @@ def _pad_spec(ndim: int, dim: int, zeros: int) -> tuple[int, ...]:
     return (0, 0) * (ndim - 1 - dim) + (0, zeros)
 
 
+def split_dimension(param: torch.Tensor) -> int | None:
+    """The dimension along which ``param`` is split over the tensor-parallel group (None: whole on every rank)."""
+    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+
+
 def local_piece(whole: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """What this rank stores of ``whole`` (a tensor shaped like the real weight ``like`` is part of): padded
     where ``like`` is (its ``padding``), then split where it is (its ``partition_dim``)."""
     if hasattr(like, "padding"):
         dim, width = like.padding
         whole = F.pad(whole, _pad_spec(whole.dim(), dim, padded_width(width, tp.size) - whole.shape[dim]))
-    split = getattr(like, "partition_dim", None) if getattr(like, "tensor_model_parallel", False) else None
+    split = split_dimension(like)
     return whole if split is None else tp.shard(whole, split)
 
 
