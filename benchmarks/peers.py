@@ -136,7 +136,7 @@ def _worker(a: dict, result: Path) -> None:
     trainer = start_trainer(overrides)  # the plain arm borrows only its process setup, device and loader
     if arm == "plain":
         t = trainer.cfg.training
-        batches = PretrainingBatches(trainer.loader.windows, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed)
+        batches = PretrainingBatches(trainer.loader.sources[0], t.global_batch_size, t.micro_batch_size, 0, 1, t.seed)
         device, vocab_size = trainer.device, trainer.data.vocab_size
         del trainer
         step, starts = step_clock(_plain_loop(a, batches, device, vocab_size))

@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-tokens", type=int, help="stop after this many training tokens: data.max_tokens")
     prep.add_argument("--workers", type=int, help="tokenizer processes: data.workers")
     prep.add_argument("--out", help="output directory: data.path")
+    prep.add_argument("--source", metavar="NAME", help="a mixture's source to prepare alone (one part of a parallel "
+                                                       "preparation; a final prepare-data without it writes the index)")
     prep.set_defaults(run=_prepare_data)
 
     run = commands.add_parser("train", help="train (single process, or under deepspeed / torchrun / mpiexec)")
@@ -119,19 +121,25 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
-    from megasparse.data.prepare import prepare_data
+    from megasparse.data.prepare_mixture import prepare_dataset
 
     flags = {"files": args.files, "hf_dataset": args.hf_dataset, "tokenizer": args.tokenizer,
              "vocab_size": args.vocab_size, "max_tokens": args.max_tokens, "workers": args.workers, "path": args.out}
     overrides = args.overrides + [f"data.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     cfg: Config = load_config(args.config, overrides)
     cfg.check_paths(["data.path", "data.tokenizer"])
-    data = prepare_data(cfg.data)
-    splits = ", ".join(f"{name} {split['tokens']:,} tokens in {split['documents']:,} documents"
-                       for name, split in data.index["splits"].items())
+    data = prepare_dataset(cfg.data, source=args.source)
+    if data is None:
+        print(f"prepared source {args.source} of the mixture at {cfg.data.path}; a final `megasparse prepare-data` "
+              "without --source writes its index")
+        return
     trained = data.index["tokenizer"].get("trained_on")
     sample = (f" (tokenizer trained on {trained['lines']:,} lines sampled from {trained['of_lines']:,} lines, "
               f"{trained['of_bytes'] / 1e6:,.1f} MB of {trained['of_documents']:,} documents)") if trained else ""
+    parts = {f"{name}: ": source for name, source in data.sources.items()} or {"": data}
+    splits = "; ".join(prefix + ", ".join(f"{name} {split['tokens']:,} tokens in {split['documents']:,} documents"
+                                          for name, split in part.index["splits"].items())
+                       for prefix, part in parts.items())
     print(f"prepared {data.directory}: {splits}; vocabulary {data.vocab_size}{sample}")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Iterator
@@ -138,6 +139,35 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a source's name: its directory and its metrics' suffix
+
+
+@section
+class SourceConfig:
+    """One source of a data mixture (``data.sources``): its text (files, a hub dataset) or its prepared tokens,
+    and its share of the training tokens. Its keys mean what the ``data.*`` keys of the same name mean for
+    one source; its own validation split is held out by ``data.val_fraction`` unless ``val_files`` is given."""
+
+    name: str = ""  # required, unique: its directory under data.path/sources and the suffix of its metrics
+    weight: float = number(1.0, ge=0)  # its share of the training tokens, relative to the other sources' weights
+    # (step, weight): from that step on its weight is this one (piecewise constant; steps in increasing order)
+    schedule: list[tuple[int, float]] = field(default_factory=list)
+    max_epochs: float = number(0.0, ge=0)  # repetition cap: the run may read its windows at most this many times; 0: no cap
+    path: str = ""  # a dataset prepared already (megasparse prepare-data): read as it is, nothing to prepare
+    files: list[str] = field(default_factory=list)
+    hf_dataset: str = ""
+    hf_subset: str = ""
+    hf_split: str = "train"
+    text_field: str = "text"
+    val_files: list[str] = field(default_factory=list)
+    max_documents: int = number(0, ge=0)
+    max_tokens: int = number(0, ge=0)  # its own budget; 0: its weight's share of data.max_tokens (or all of it)
+
+    def weight_at(self, step: int) -> float:
+        """Its weight at optimizer step ``step`` (1-based): that of the last schedule entry at or before it."""
+        return next((w for s, w in reversed(self.schedule) if s <= step), self.weight)
+
+
 @section
 class DataConfig:
     """Where the packed token shards are, and how ``prepare-data`` makes them."""
@@ -157,6 +187,8 @@ class DataConfig:
     max_tokens: int = number(0, ge=0)  # prepare-data stops at the first document boundary past this many training tokens; 0: all
     shard_tokens: int = number(100_000_000, gt=0)
     workers: int = number(0, ge=0)  # tokenizer processes; 0: one per CPU core (at most 8)
+    # a weighted mixture (docs/data.md), instead of files / hf_dataset: each source prepared under path/sources/
+    sources: list[SourceConfig] = field(default_factory=list)
 
 
 @section
@@ -382,6 +414,7 @@ class Config:
                  f"{self.logging.sample_tokens} leaves no room for a prompt in data.seq_len={self.data.seq_len}")
         self._validate_methods()
         self._validate_tensor_parallel()
+        self._validate_sources()
         _check_deepspeed_block(self.deepspeed)
         # DeepSpeed's bf16 wrapper at stage 0 initialises by stepping the client optimizer on zero
         # gradients (one weight decay and one step count too many); its ZeRO-1/2 path does not.
@@ -419,6 +452,37 @@ class Config:
         lowrank = self.model.layer == "lowrank"
         _require(self.optimizer.name != "spectron" or (lowrank and bool(lr.targets)), "optimizer.name",
                  "spectron steps factorised weights, and this model has none: set model.layer=lowrank")
+
+    def _validate_sources(self) -> None:
+        d = self.data
+        if not d.sources:
+            _require(not (d.files and d.hf_dataset), "data.hf_dataset",
+                     "and data.files both give the training text: choose one, or list both in data.sources")
+            return
+        for key in ("files", "hf_dataset", "val_files"):
+            _require(not getattr(d, key), f"data.{key}", "is set next to data.sources: give each source's text in "
+                                                          "its own entry")
+        names: list[str] = []
+        for i, source in enumerate(d.sources):
+            where = f"data.sources[{i}]"
+            for declared in dataclasses.fields(source):
+                bounds = declared.metadata.get("bounds")
+                problem = bounds.problem(getattr(source, declared.name), self) if bounds else None
+                _require(problem is None, f"{where}.{declared.name}", problem or "")
+            _require(bool(SOURCE_NAME.match(source.name)), f"{where}.name",
+                     f"{source.name!r} is not a name (letters, digits, '_', '.', '-'; not empty)")
+            _require(source.name not in names, f"{where}.name", f"'{source.name}' names two sources")
+            names.append(source.name)
+            given = [key for key in ("path", "files", "hf_dataset") if getattr(source, key)]
+            _require(len(given) == 1, where, f"give exactly one of path, files, hf_dataset (got {', '.join(given) or 'none'})")
+            steps = [step for step, _ in source.schedule]
+            _require(steps == sorted(set(steps)) and all(step >= 1 for step in steps), f"{where}.schedule",
+                     f"steps {steps} must be increasing and at least 1")
+            _require(all(math.isfinite(w) and w >= 0 for _, w in source.schedule), f"{where}.schedule",
+                     "weights must be finite and >= 0")
+        for step in sorted({1, *(s for source in d.sources for s, _ in source.schedule)}):
+            _require(sum(source.weight_at(step) for source in d.sources) > 0, "data.sources",
+                     f"every weight is 0 at step {step}")
 
     def _validate_tensor_parallel(self) -> None:
         t, m = self.parallel.tensor_parallel, self.model

@@ -10,7 +10,7 @@ from megasparse.data.loader import PretrainingBatches, evaluation_batches
 from megasparse.data.permutation import FeistelPermutation
 from megasparse.data.prepare import prepare_data
 from megasparse.data.shards import ShardWriter, TokenWindows, open_prepared
-from megasparse.data.tokenizer import file_sha256, load_tokenizer, training_sample
+from megasparse.data.tokenizer import file_sha256, load_tokenizer, training_sample, up_to_bytes
 from megasparse.errors import UserError
 
 
@@ -308,7 +308,7 @@ def test_the_tokenizer_sample_is_drawn_from_all_the_text():
     order = [int(line.split()[1].rstrip("b")) + 1000 * line.startswith("second") for line in sample.lines]
     assert order == sorted(order) and training_sample(documents, size=1000) == sample
     assert training_sample(documents[:10], size=1000).lines == [line for d in documents[:10] for line in d.split("\n")]
-    budget = training_sample(documents, size=1000, max_bytes=5000)
+    budget = training_sample(up_to_bytes(documents, 5000), size=1000)
     assert budget.of_bytes >= 5000 and budget.of_documents < 1000 and not any("second" in line for line in budget.lines)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,8 @@ class CheckpointMeta:
     format: str = "deepspeed"  # or "universal" (megasparse convert reshard)
     sparse_storage: str = "index"  # sparse layers' positions: "bitmask", or "index" (before; see legacy.py)
     mlp_storage: str = "real"  # the MLP's hidden width: "padded" to split and align (parallel/layers.py), or "real" (before)
+    # a data mixture's sequences read from each source and its weight at the last step (megasparse inspect)
+    mixture: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def read(cls, tag_dir: Path) -> "CheckpointMeta":

@@ -39,7 +39,6 @@ from megasparse.config import Config, config_from_dict
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
 from megasparse.lowrank.layers import LowRankLinear
-from megasparse.model.placement import DTYPES
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 from megasparse.sparse.mask import pack, unpack

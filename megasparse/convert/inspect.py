@@ -21,6 +21,7 @@ def describe(checkpoint: Checkpoint) -> list[str]:
         f"progress     step {meta.step:,}, {meta.tokens:,} tokens, {meta.consumed_samples:,} sequences",
         f"model        {m.preset or 'custom'}: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), "
         f"ffn {m.ffn_dim}, vocabulary {meta.vocab_size}; {num_parameters(model):,} parameters; {m.layer} projections",
+        *_mixture(meta.mixture),
         f"optimizer    {cfg.optimizer.name}",
         f"layout       {meta.tensor_parallel_size} tensor-parallel x {meta.data_parallel_size} data-parallel "
         f"({meta.world_size} processes), ZeRO-{cfg.parallel.zero_stage}, {cfg.training.precision}",
@@ -40,6 +41,13 @@ def describe(checkpoint: Checkpoint) -> list[str]:
     lines.append(f"files        {len(files)}, {_size(sum(sizes.values()))}, all present and readable")
     lines += [f"  {name:52s} {_size(size):>10s}" for name, size in sizes.items()]
     return lines
+
+
+def _mixture(record: dict[str, dict[str, float]]) -> list[str]:
+    """A data mixture's realised shares against its weights (at the checkpoint's step)."""
+    total = sum(entry["sequences"] for entry in record.values()) or 1
+    return [f"data mix     {name}: {entry['sequences'] / total:.1%} of the sequences read ({entry['sequences']:,}), "
+            f"weight {entry['weight']:.1%}" for name, entry in record.items()]
 
 
 def _size(size: int) -> str:

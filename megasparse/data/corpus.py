@@ -14,7 +14,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from megasparse.config import DataConfig
+from megasparse.config import DataConfig, SourceConfig
 from megasparse.data.shards import INDEX_FILE, open_prepared
 from megasparse.errors import UserError
 
@@ -23,9 +23,28 @@ _SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packa
 
 
 def describe_sources(cfg: DataConfig) -> list[str]:
-    """What the documents come from, as recorded in the dataset index (checks local files exist)."""
+    """What the documents come from, as recorded in the dataset index (checks local files exist); a mixture's
+    as ``NAME=`` each of its sources'."""
+    if cfg.sources:
+        return [f"{source.name}={where}" for source in cfg.sources
+                for where in ([f"prepared:{source.path}"] if source.path else describe_sources(source_config(cfg, source)))]
     validation = [f"val:{p}" for p in expand_files(cfg.val_files)]
     return _describe_training(cfg) + validation
+
+
+MIXTURE_SOURCES = "sources"  # where under a mixture's data.path its sources are prepared, one directory each
+
+
+def source_config(cfg: DataConfig, source: SourceConfig) -> DataConfig:
+    """The data config that prepares ``source`` of the mixture ``cfg`` into ``data.path/sources/NAME``. Its token
+    budget is its own ``max_tokens``, else its weight's share (at step 1) of ``data.max_tokens``, else none."""
+    weights = {s.name: s.weight_at(1) for s in cfg.sources}
+    share = round(cfg.max_tokens * weights[source.name] / sum(weights.values())) if cfg.max_tokens else 0
+    return dataclasses.replace(
+        cfg, path=str(Path(cfg.path) / MIXTURE_SOURCES / source.name), files=source.files,
+        hf_dataset=source.hf_dataset, hf_subset=source.hf_subset, hf_split=source.hf_split,
+        text_field=source.text_field, val_files=source.val_files, max_documents=source.max_documents,
+        max_tokens=source.max_tokens or share, sources=[])
 
 
 def validation_source(cfg: DataConfig) -> DataConfig:
@@ -50,7 +69,7 @@ def trains_on_embedded_corpus(cfg: DataConfig) -> bool:
     if (Path(cfg.path) / INDEX_FILE).is_file():
         sources = [s for s in open_prepared(Path(cfg.path)).index.get("sources", []) if not s.startswith("val:")]
         return bool(sources) and all(s.startswith(EMBEDDED) for s in sources)
-    return not cfg.files and not cfg.hf_dataset
+    return not cfg.files and not cfg.hf_dataset and not cfg.sources
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

@@ -35,7 +35,7 @@ from megasparse.config import DataConfig
 from megasparse.data.corpus import describe_sources, expand_files, iter_documents, validation_source
 from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, ShardWriter, open_prepared, write_index
 from megasparse.data.tokenizer import (BYTES_PER_TOKEN, encode_documents, file_sha256, init_worker, load_tokenizer,
-                                       token_dtype, train_tokenizer, training_sample)
+                                       token_dtype, train_tokenizer, training_sample, up_to_bytes)
 from megasparse.errors import UserError
 from megasparse.progress import Progress
 
@@ -145,7 +145,7 @@ def _build(cfg: DataConfig, staging: Path, settings: dict[str, Any], resume: dic
             load_tokenizer(Path(cfg.tokenizer))  # fails clearly if it is not a SentencePiece model
             shutil.copyfile(cfg.tokenizer, tokenizer_path)
         else:  # lines sampled from all the text to be prepared (with a budget: about that much of it)
-            sample = training_sample(iter_documents(cfg), max_bytes=BYTES_PER_TOKEN * cfg.max_tokens)
+            sample = training_sample(up_to_bytes(iter_documents(cfg), BYTES_PER_TOKEN * cfg.max_tokens))
             train_tokenizer(sample.lines, cfg.vocab_size, tokenizer_path)
             trained_on = sample.describe()
     processor = load_tokenizer(tokenizer_path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,15 +90,20 @@ class ShardWriter:
 
 
 def write_index(directory: Path, index: dict[str, Any]) -> None:
-    (directory / INDEX_FILE).write_text(json.dumps({"format": FORMAT, **index}, indent=2) + "\n")
+    """Write ``index.json`` atomically (it marks the dataset complete)."""
+    temporary = directory / f"{INDEX_FILE}.tmp"
+    temporary.write_text(json.dumps({"format": FORMAT, **index}, indent=2) + "\n")
+    os.replace(temporary, directory / INDEX_FILE)
 
 
 @dataclass
 class PreparedData:
-    """An opened, checked dataset directory."""
+    """An opened, checked dataset directory; a mixture's (``index["mixture"]``: each source's directory, relative
+    to it or absolute) holds no shards of its own, and ``sources`` its sources opened, by name."""
 
     directory: Path
     index: dict[str, Any]
+    sources: dict[str, "PreparedData"] = field(default_factory=dict)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -137,6 +142,11 @@ def open_prepared(directory: Path) -> PreparedData:
     data = PreparedData(directory, index)
     if not data.tokenizer_path.is_file():
         raise UserError(f"dataset '{directory}' is missing its tokenizer '{data.tokenizer_path.name}'")
+    for name, location in index.get("mixture", {}).items():
+        source = data.sources[name] = open_prepared(directory / location)
+        if source.tokenizer_sha256 != data.tokenizer_sha256:
+            raise UserError(f"source '{name}' of the mixture at '{directory}' ({source.directory}) was made with "
+                            "another tokenizer than the mixture's")
     itemsize = np.dtype(index["dtype"]).itemsize
     for split in index["splits"].values():
         for shard in split["shards"]:

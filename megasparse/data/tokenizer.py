@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,17 +34,14 @@ class TrainingSample:
                 "of_bytes": self.of_bytes}
 
 
-def training_sample(documents: Iterable[str], size: int = TRAINING_SENTENCES, max_bytes: int = 0,
-                    seed: int = 0) -> TrainingSample:
+def training_sample(documents: Iterable[str], size: int = TRAINING_SENTENCES, seed: int = 0) -> TrainingSample:
     """``size`` non-blank lines drawn uniformly without replacement from all those of ``documents`` (reservoir
-    sampling, Vitter's algorithm R, seeded: the same sample every time), kept in the order they were read; with
-    ``max_bytes``, from the documents up to the first one past that much text. Holds ``size`` lines at most."""
+    sampling, Vitter's algorithm R, seeded: the same sample every time), kept in the order they were read. Holds
+    ``size`` lines at most."""
     rng = random.Random(seed)
     kept: list[tuple[int, str]] = []
     seen = documents_read = bytes_read = 0
     for document in documents:
-        if max_bytes and bytes_read >= max_bytes:
-            break
         documents_read += 1
         bytes_read += len(document.encode())
         for line in document.splitlines():
@@ -56,6 +53,16 @@ def training_sample(documents: Iterable[str], size: int = TRAINING_SENTENCES, ma
                 kept[slot] = (seen, line)
             seen += 1
     return TrainingSample([line for _, line in sorted(kept, key=lambda item: item[0])], seen, documents_read, bytes_read)
+
+
+def up_to_bytes(documents: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """``documents`` up to the first one past ``max_bytes`` of text (all of them when it is 0)."""
+    read = 0
+    for document in documents:
+        if max_bytes and read >= max_bytes:
+            return
+        read += len(document.encode())
+        yield document
 
 
 def train_tokenizer(lines: Iterable[str], vocab_size: int, model_path: Path) -> None:

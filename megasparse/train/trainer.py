@@ -7,7 +7,6 @@ logged loss is the mean over the whole global batch (all micro-batches, all rank
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -30,10 +29,10 @@ from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, ta
 from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import PROJECTIONS, Config, config_from_dict
 from megasparse.data.corpus import describe_sources, trains_on_embedded_corpus
-from megasparse.data.loader import ORDER, PretrainingBatches, evaluation_batches, inputs_and_targets, to_device
-from megasparse.data.prepare import prepare_data
-from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
-from megasparse.data.tokenizer import continuation, file_sha256, load_tokenizer
+from megasparse.data.loader import ORDER, evaluation_batches, inputs_and_targets, to_device
+from megasparse.data.prepare_mixture import missing_sources
+from megasparse.data.shards import INDEX_FILE, TokenWindows, open_prepared
+from megasparse.data.tokenizer import continuation, load_tokenizer
 from megasparse.errors import UserError
 from megasparse.faults import at_step_start, poison_gradient, poison_loss
 from megasparse.lowrank.layers import SharedFactorisation
@@ -45,13 +44,13 @@ from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
 from megasparse.model.placement import DTYPES, built_on, partitions_as_built, zero3_partition
 from megasparse.optim.partitions import optimizer_fragments
-from megasparse.parallel.distributed import (gradient_norm, init_distributed, is_main_process, rank0_decides,
-                                             rank0_runs)
+from megasparse.parallel.distributed import gradient_norm, init_distributed, is_main_process, rank0_runs
 from megasparse.parallel.groups import ParallelState, create_groups, split_world
 from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.parallel.watchdog import Heartbeat, stall_timeout
 from megasparse.sparse.topology import TopologyUpdater
+from megasparse.train.data import ONE_SOURCE, load_or_prepare, usable_windows
 from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.determinism import make_deterministic
@@ -117,7 +116,7 @@ def preflight(cfg: Config, world_size: int, resume: str | None = None) -> str | 
         except ImportError as exc:
             raise UserError(f"logging.wandb: cannot import wandb ({exc}); install it with pip install "
                             "'megasparse[wandb]' or set logging.wandb=false") from None
-    if (Path(cfg.data.path) / INDEX_FILE).exists():
+    if (Path(cfg.data.path) / INDEX_FILE).exists() and not (cfg.data.sources and missing_sources(cfg.data)):
         usable_windows(cfg, open_prepared(Path(cfg.data.path)))
     else:
         describe_sources(cfg.data)  # the files to prepare it from exist
@@ -133,40 +132,6 @@ def wandb_run(cfg: Config) -> WandbRun | None:
                     cfg.to_dict())
 
 
-def load_or_prepare(cfg: Config, heartbeat: Heartbeat | None = None) -> PreparedData:
-    """The dataset at ``data.path``, prepared first (on rank 0, if rank 0 does not find it) if it does not exist
-    yet; the other ranks wait as long as it takes (watched by ``heartbeat``, where there is one)."""
-    path = Path(cfg.data.path)
-    if rank0_decides(not (path / INDEX_FILE).exists()):
-        def prepare() -> None:
-            _log(f"no dataset at {path} yet: preparing it from {', '.join(describe_sources(cfg.data))}")
-            prepare_data(cfg.data)
-
-        with heartbeat.waiting_on_rank_0() if heartbeat else contextlib.nullcontext():
-            rank0_runs(prepare, "data preparation", patient=True)  # a large corpus may take longer than the timeout
-    return open_prepared(path)
-
-
-def usable_windows(cfg: Config, data: PreparedData) -> tuple[TokenWindows, TokenWindows | None]:
-    """The training and (with ``training.eval_samples``) validation windows of ``data``, after checking it
-    fits the run: its tokenizer, the tensor-parallel degree, enough tokens for one window of each split."""
-    path, seq_len, tp = cfg.data.path, cfg.data.seq_len, cfg.parallel.tensor_parallel
-    if cfg.data.tokenizer and file_sha256(Path(cfg.data.tokenizer)) != data.tokenizer_sha256:
-        raise UserError(f"data.tokenizer '{cfg.data.tokenizer}' is not the tokenizer the shards at {path} were made with")
-    if data.vocab_size % tp:
-        raise UserError(f"parallel.tensor_parallel={tp} does not divide the vocabulary size {data.vocab_size} of "
-                        f"{path}; prepare it with a data.vocab_size it divides")
-    train_windows = data.split("train", seq_len)
-    if len(train_windows) == 0:
-        raise UserError(f"dataset {path} has fewer than data.seq_len + 1 = {seq_len + 1} tokens")
-    if not cfg.training.eval_samples:
-        return train_windows, None
-    if not data.has_split("val") or len(data.split("val", seq_len)) == 0:
-        raise UserError(f"dataset {path} has no validation windows of {seq_len + 1} tokens; prepare it with a "
-                        "larger data.val_fraction or set training.eval_samples=0")
-    return train_windows, data.split("val", seq_len)
-
-
 class Trainer:
     def __init__(self, cfg: Config, parallel: ParallelState, resume: str | None,
                  heartbeat: Heartbeat | None = None) -> None:
@@ -174,9 +139,9 @@ class Trainer:
         self.dp_rank, self.dp_size = parallel.data_parallel_rank, parallel.data_parallel_size
         self.dp_group = parallel.data_parallel_group
         t = cfg.training
-        self.data = load_or_prepare(cfg, heartbeat)
-        train_windows, self.eval_windows = usable_windows(cfg, self.data)
-        self.epoch_sequences = len(train_windows)  # an epoch: every training window once
+        self.data = load_or_prepare(cfg, heartbeat, _log)
+        self.windows = usable_windows(cfg, self.data)
+        self.epoch_sequences = self.windows.epoch_sequences  # an epoch: every training window once
         self.tp = tp = TensorParallel(parallel.tensor_parallel_group, parallel.tensor_parallel_size,
                                       parallel.tensor_parallel_rank)
         self.resume_from = self._checked_resume(resume)  # before the expensive part: fail fast
@@ -234,9 +199,11 @@ class Trainer:
                                   partitioned=partitioned)
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only.
         self.measure_grad_norm = not hasattr(self.engine.optimizer, "_global_grad_norm")
-        self.loader = PretrainingBatches(train_windows, t.global_batch_size, t.micro_batch_size,
-                                         self.dp_rank, self.dp_size, t.seed)
+        self.loader = self.windows.batches(cfg, self.dp_rank, self.dp_size)
         self.step = self._load(self.resume_from) if self.resume_from else 0
+        if self.loader.mixture:
+            self.loader.mixture.check_caps([len(w) for w in self.windows.train.values()], self.step, t.steps,
+                                           t.global_batch_size)
         self.saved_step = self.step if self.resume_from else None
         self.metrics = MetricsLogger(Path(t.output_dir), is_main_process(), self.step, t.steps,
                                      cfg.logging.progress_bar, cfg.logging.tensorboard, wandb_run(cfg))
@@ -257,7 +224,15 @@ class Trainer:
     def _load(self, tag_dir: Path) -> int:
         meta = CheckpointMeta.read(tag_dir)
         state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
-        self.loader.load_state_dict(state["loader"])
+        dropped = self.loader.load_state_dict(state["loader"])
+        if dropped:
+            _log(f"warning: {tag_dir} read from sources this run's data.sources no longer has: {', '.join(dropped)}")
+        mixture = self.loader.mixture
+        if mixture and mixture.segment and mixture.segment.weights != mixture.weights_at(meta.step + 1):
+            change = ", ".join(f"{name} {old:.3g} -> {new:.3g}" for name, old, new in
+                               zip(mixture.names, mixture.segment.weights, mixture.weights_at(meta.step + 1)))
+            _log(f"data: the mixture's weights differ from the checkpoint's ({change}): they apply from step "
+                 f"{meta.step + 1} on, and every source reads on from where it stopped")
         epoch, position = divmod(self.loader.consumed_samples, self.epoch_sequences)
         if state["loader"].get("order") != ORDER and position:
             _log(f"warning: {tag_dir} was written when the loader ordered the windows otherwise: the rest of epoch "
@@ -304,6 +279,11 @@ class Trainer:
             _log(f"{'warning: ' if embedded and epochs > 1 else ''}data: {self.epoch_sequences:,} training sequences "
                  f"of {cfg.data.seq_len} tokens{source}; {t.steps:,} steps of {t.global_batch_size} read "
                  f"{epochs:,.2f} epoch(s)")
+            if self.loader.mixture:
+                weights = self.loader.mixture.weights_at(self.step + 1)
+                _log("data: a mixture of " + ", ".join(
+                    f"{name} ({len(self.windows.train[name]):,} sequences, weight {w:.3g})"
+                    for name, w in zip(self.loader.mixture.names, weights)))
         rank0_runs(self._prepare_checkpoint_dir, "preparing the checkpoint directory")
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
@@ -350,6 +330,7 @@ class Trainer:
                     "memory_gb": get_accelerator().max_memory_allocated() / 2**30,
                     "skipped_steps": self.skipped_steps,
                     **self._optimizer_statistics(),
+                    **self._realised_mix(),
                 }
                 self.metrics.log("train", self.step, **values)
                 window_loss.zero_()
@@ -426,8 +407,20 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> None:
+        """The validation loss of each source over its first ``training.eval_samples`` windows; a mixture's is
+        their mean weighted by the weights of this step."""
+        losses = {name: self._validation_loss(windows) for name, windows in self.windows.validation.items()}
+        if self.loader.mixture:
+            weights = self.loader.mixture.weights_at(self.step)
+            val_loss = sum(w * losses[name] for name, w in zip(self.loader.mixture.names, weights))
+            by_source = {f"val_loss/{name}": loss for name, loss in losses.items()}
+        else:
+            val_loss, by_source = losses[ONE_SOURCE], {}
+        self.metrics.log("eval", self.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **by_source)
+
+    def _validation_loss(self, windows: TokenWindows) -> float:
         cfg = self.cfg
-        batches = evaluation_batches(self.eval_windows, cfg.training.eval_samples, cfg.training.micro_batch_size,
+        batches = evaluation_batches(windows, cfg.training.eval_samples, cfg.training.micro_batch_size,
                                      self.dp_rank, self.dp_size)
         self.engine.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, sequences
@@ -436,8 +429,7 @@ class Trainer:
             totals += torch.stack([loss.double() * len(inputs), totals.new_tensor(len(inputs))])
         self.engine.train()
         dist.all_reduce(totals, group=self.dp_group)
-        val_loss = (totals[0] / totals[1]).item()
-        self.metrics.log("eval", self.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+        return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
     def _sample(self) -> None:
@@ -458,6 +450,22 @@ class Trainer:
         tokens = continue_tokens(self.engine, prompt, cfg.sample_tokens, Sampling(), generator, pieces.eos_id(), agree)
         self.engine.train()
         self.metrics.text("sample", self.step, cfg.sample_prompt + continuation(pieces, prompt, tokens))
+
+    def _realised_mix(self) -> dict[str, float]:
+        """A mixture's share of each source over the run so far, and the passes over each source's windows."""
+        mixture = self.loader.mixture
+        if not mixture:
+            return {}
+        passes = {f"epochs/{name}": drawn / len(self.windows.train[name])
+                  for name, drawn in zip(mixture.names, mixture.drawn)}
+        return {**{f"mix/{name}": share for name, share in mixture.shares().items()}, **passes}
+
+    def _mixture_record(self) -> dict[str, dict[str, float]]:
+        mixture = self.loader.mixture
+        if not mixture:
+            return {}
+        return {name: {"sequences": drawn, "weight": weight}
+                for name, drawn, weight in zip(mixture.names, mixture.drawn, mixture.weights_at(self.step))}
 
     def _optimizer_statistics(self) -> dict[str, float]:
         """Spectron: the largest and mean sigma_A + sigma_B over the factor pairs at the last step."""
@@ -483,6 +491,7 @@ class Trainer:
             vocab_size=self.data.vocab_size, tokenizer_sha256=self.data.tokenizer_sha256,
             world_size=dist.get_world_size(), data_parallel_size=self.dp_size,
             tensor_parallel_size=self.parallel.tensor_parallel_size, sparse_storage=BITMASK, mlp_storage=PADDED,
+            mixture=self._mixture_record(),
         )
         save_checkpoint(self.engine, self.cfg, meta,
                         {"loader": self.loader.state_dict(), "rng": rng_state()}, self.data.tokenizer_path)
