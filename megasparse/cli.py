@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-tokens", type=int, help="stop after this many training tokens: data.max_tokens")
     prep.add_argument("--workers", type=int, help="tokenizer processes: data.workers")
     prep.add_argument("--out", help="output directory: data.path")
-    prep.add_argument("--source", metavar="NAME", help="a mixture's source to prepare alone (one part of a parallel "
-                                                       "preparation; a final prepare-data without it writes the index)")
+    prep.add_argument("--source", metavar="NAME|POSITION",
+                      help="a mixture's source (by name or 0-based position in data.sources) to prepare alone: one "
+                           "part of a parallel preparation; a final prepare-data without it writes the index")
     prep.set_defaults(run=_prepare_data)
 
     run = commands.add_parser("train", help="train (single process, or under deepspeed / torchrun / mpiexec)")

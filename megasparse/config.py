@@ -139,7 +139,7 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
 
-SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a source's name: its directory and its metrics' suffix
+SOURCE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")  # a source's name: its directory, its metrics' suffix
 
 
 @section
@@ -470,7 +470,7 @@ class Config:
                 problem = bounds.problem(getattr(source, declared.name), self) if bounds else None
                 _require(problem is None, f"{where}.{declared.name}", problem or "")
             _require(bool(SOURCE_NAME.match(source.name)), f"{where}.name",
-                     f"{source.name!r} is not a name (letters, digits, '_', '.', '-'; not empty)")
+                     f"{source.name!r} is not a name (a letter, then letters, digits, '_', '.', '-')")
             _require(source.name not in names, f"{where}.name", f"'{source.name}' names two sources")
             names.append(source.name)
             given = [key for key in ("path", "files", "hf_dataset") if getattr(source, key)]

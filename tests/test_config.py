@@ -69,6 +69,7 @@ def test_shipped_configs_load_by_name():
     ({"data": {"sources": [{"name": "web"}]}}, "data.sources[0]: give exactly one of path, files, hf_dataset (got none)"),
     ({"data": {"sources": [{"name": "web", "files": ["a"], "path": "p"}]}}, "(got path, files)"),
     ({"data": {"sources": [{"name": "a/b", "files": ["a"]}]}}, "data.sources[0].name: 'a/b' is not a name"),
+    ({"data": {"sources": [{"name": "2", "files": ["a"]}]}}, "data.sources[0].name: '2' is not a name"),
     ({"data": {"sources": [{"name": "x", "files": ["a"]}, {"name": "x", "files": ["b"]}]}},
      "data.sources[1].name: 'x' names two sources"),
     ({"data": {"sources": [{"name": "x", "files": ["a"], "weight": -1}]}}, "data.sources[0].weight: must be >= 0"),

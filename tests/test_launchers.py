@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import pytest
 
 from helpers import (TIMEOUT_S, assert_same_model, checkpoint, fork_server, megasparse, tiny_config, train_losses,
                      write_config)
+from megasparse.data.shards import open_prepared
 from megasparse.parallel.launch_env import free_port
-from slurm_cluster import SlurmCluster, missing_programs
+from slurm_cluster import FINISHED, SlurmCluster, missing_programs
 
+REPO = Path(__file__).resolve().parents[1]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same intra-op threads in every launcher: comparable results
 
 
@@ -214,3 +217,21 @@ def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tm
     for name, tensor in final["plain"].items():
         assert tensor.equal(final["preempted"][name]), name
     assert train_losses(tmp_path / "preempted") == train_losses(tmp_path / "plain")
+
+
+def test_slurm_prepares_a_mixture_in_parallel_then_indexes_it(slurm, corpus, tmp_path):
+    """launchers/slurm_prepare.sh: an array task per source, then the index job once they succeeded."""
+    sources = [{"name": name, "files": [str(corpus / file)], "weight": 1.0}
+               for name, file in (("prose", "textwrap.py.txt"), ("code", "json_decoder.py.txt"))]
+    config = write_config(tmp_path / "mix.yaml", {"data": {"path": str(tmp_path / "tokens"), "sources": sources,
+                                                           "vocab_size": 400, "workers": 1}})
+    result = subprocess.run([str(REPO / "launchers" / "slurm_prepare.sh"), str(config), "2", "--output",
+                             str(tmp_path / "slurm-%A_%a.out")], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"]})
+    assert result.returncode == 0, result.stderr
+    _, index = map(int, re.search(r"sources: job (\d+) .*index: job (\d+)", result.stdout).groups())
+    info = slurm.wait(index, lambda job: job["JobState"] in FINISHED or job.get("Reason") == "DependencyNeverSatisfied")
+    logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert info["JobState"] == "COMPLETED", logs
+    assert logs.count("prepared source") == 2 and f"prepared {tmp_path / 'tokens'}: prose:" in logs
+    assert set(open_prepared(tmp_path / "tokens").sources) == {"prose", "code"}

@@ -137,12 +137,30 @@ def test_a_schedule_starts_a_segment_at_its_step(tmp_path):
     steps = [step_reads(ranks) for _ in range(8)]
     assert sum(s == 0 for step in steps[:3] for s, _ in step) == 27  # 0.75 of 36
     assert sum(s == 0 for step in steps[3:] for s, _ in step) == 15  # 0.25 of 60
-    resumed = loaders(windows, configs, 1, 12)  # resumed mid-schedule: the same stream
-    fresh = loaders(windows, configs, 2, 6)
-    for _ in range(5):
-        step_reads(fresh)
-    resumed[0].load_state_dict(fresh[0].state_dict())
-    assert [step_reads(resumed) for _ in range(3)] == steps[5:]
+    for taken in (2, 5):  # resumed before the change (crossing it) and after it: the same stream
+        fresh = loaders(windows, configs, 2, 6)
+        for _ in range(taken):
+            step_reads(fresh)
+        resumed = loaders(windows, configs, 1, 12)
+        resumed[0].load_state_dict(fresh[0].state_dict())
+        assert [step_reads(resumed) for _ in range(taken, 8)] == steps[taken:]
+
+
+def test_planned_reads_bound_what_the_run_reads():
+    """From any step, with or without a schedule ahead or behind, the planned reads are at least the reads."""
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        k, steps = int(rng.integers(2, 6)), 12
+        change = int(rng.integers(2, steps))
+        configs = sources(*rng.random(k), schedules={i: [(change, float(rng.random()))] for i in range(k)})
+        mixture = Mixture(configs)
+        start = int(rng.integers(0, steps))
+        for step in range(1, start + 1):
+            mixture.take((step - 1) * 7, 7, step)
+        planned = mixture.planned_reads(start, steps, 7)
+        for step in range(start + 1, steps + 1):
+            mixture.take((step - 1) * 7, 7, step)
+        assert all(drawn <= bound + 1e-9 for drawn, bound in zip(mixture.drawn, planned)), (planned, mixture.drawn)
 
 
 def test_repetition_caps_are_checked_before_training():
@@ -158,3 +176,14 @@ def test_sources_it_no_longer_has_are_named_on_resume(tmp_path):
     old.next_tokens()
     new = PretrainingBatches(windows[:1], 12, 12, 0, 1, 5, mixture=Mixture(sources(1)))
     assert new.load_state_dict(old.state_dict()) == ["src1"]
+
+
+def test_budgets_follow_the_largest_weight_and_are_never_unlimited():
+    from megasparse.config import DataConfig
+    from megasparse.data.corpus import source_config
+
+    later = SourceConfig(name="later", weight=0.0, schedule=[(100, 1.0)], files=["x"])
+    own = SourceConfig(name="own", weight=5.0, max_tokens=7, files=["x"])
+    cfg = DataConfig(path="p", max_tokens=1000, sources=[*sources(3.0, 0.0), later, own])
+    budgets = {s.name: source_config(cfg, s).max_tokens for s in cfg.sources}
+    assert budgets == {"src0": 750, "src1": 1, "later": 250, "own": 7}

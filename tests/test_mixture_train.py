@@ -81,8 +81,9 @@ def test_prepared_in_parts_then_indexed(tmp_path, corpus):
     in_parts = tmp_path / "parts.yaml"
     write_config(in_parts, {"data": {**mixture(corpus), "path": str(tmp_path / "parts"), "max_tokens": 3000}})
     megasparse_here("prepare-data", str(at_once)).check()
-    for name in ("code", "prose"):
+    for name in ("code", "0"):  # by name, or by position (a Slurm array task's id): 0 is prose
         assert "prepared source" in megasparse_here("prepare-data", str(in_parts), "--source", name).check().stdout
+    one_error_line(megasparse_here("prepare-data", str(in_parts), "--source", "2"), "--source 2: no such source")
     megasparse_here("prepare-data", str(in_parts)).check()
     once, parts = open_prepared(tmp_path / "once"), open_prepared(tmp_path / "parts")
     assert once.tokenizer_sha256 == parts.tokenizer_sha256
@@ -110,3 +111,28 @@ def test_a_prepared_source_of_another_tokenizer_is_refused(tmp_path, corpus, dat
     (tmp_path / "other.model").write_bytes((tmp_path / "o" / "tokenizer.model").read_bytes())
     result = megasparse_here("prepare-data", str(write_config(tmp_path / "mix.yaml", cfg)))
     one_error_line(result, "data.sources[code].path")
+
+
+def test_a_mixture_never_overwrites_a_dataset(tmp_path, corpus, dataset):
+    """Onto a dataset of one source, or onto a mixture whose tokenizer other settings would make: refused, nothing
+    changed. A source whose directory was removed is prepared again."""
+    import shutil
+
+    single = tmp_path / "single"
+    shutil.copytree(dataset, single)
+    before = (single / "index.json").read_bytes()
+    cfg = {"data": {**mixture(corpus), "path": str(single)}}
+    one_error_line(megasparse_here("prepare-data", str(write_config(tmp_path / "a.yaml", cfg))), "not a mixture")
+    assert (single / "index.json").read_bytes() == before
+
+    cfg["data"]["path"] = str(tmp_path / "mix")
+    megasparse_here("prepare-data", str(write_config(tmp_path / "b.yaml", cfg))).check()
+    cfg["data"]["vocab_size"] = 420
+    cfg["data"]["sources"][1]["weight"] = 0.5  # (a change of weight alone needs no preparation)
+    cfg["data"]["sources"].append({"name": "more", "files": [str(corpus / "textwrap.py.txt")]})
+    one_error_line(megasparse_here("prepare-data", str(write_config(tmp_path / "c.yaml", cfg))),
+                   "has 400 pieces, not data.vocab_size=420")
+    cfg["data"]["vocab_size"] = 400
+    shutil.rmtree(tmp_path / "mix" / "sources" / "code")
+    megasparse_here("prepare-data", str(write_config(tmp_path / "d.yaml", cfg))).check()
+    assert set(open_prepared(tmp_path / "mix").sources) == {"prose", "code", "more"}

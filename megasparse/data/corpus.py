@@ -37,14 +37,22 @@ MIXTURE_SOURCES = "sources"  # where under a mixture's data.path its sources are
 
 def source_config(cfg: DataConfig, source: SourceConfig) -> DataConfig:
     """The data config that prepares ``source`` of the mixture ``cfg`` into ``data.path/sources/NAME``. Its token
-    budget is its own ``max_tokens``, else its weight's share (at step 1) of ``data.max_tokens``, else none."""
-    weights = {s.name: s.weight_at(1) for s in cfg.sources}
-    share = round(cfg.max_tokens * weights[source.name] / sum(weights.values())) if cfg.max_tokens else 0
+    budget is its own ``max_tokens``; else, with ``data.max_tokens``, that budget split among the sources to
+    prepare without a budget of their own, in proportion to the largest weight each ever has (at least 1 token);
+    else none."""
+    def largest(s: SourceConfig) -> float:
+        return max([s.weight, *(w for _, w in s.schedule)])
+
+    shared = [s for s in cfg.sources if not s.path and not s.max_tokens]
+    budget = source.max_tokens
+    if not budget and cfg.max_tokens:
+        total = sum(largest(s) for s in shared)
+        budget = max(1, round(cfg.max_tokens * largest(source) / total) if total else 0)
     return dataclasses.replace(
         cfg, path=str(Path(cfg.path) / MIXTURE_SOURCES / source.name), files=source.files,
         hf_dataset=source.hf_dataset, hf_subset=source.hf_subset, hf_split=source.hf_split,
         text_field=source.text_field, val_files=source.val_files, max_documents=source.max_documents,
-        max_tokens=source.max_tokens or share, sources=[])
+        max_tokens=budget, sources=[])
 
 
 def validation_source(cfg: DataConfig) -> DataConfig:

@@ -39,6 +39,12 @@ def source_key(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+def deviation_bound(weights: Sequence[float]) -> float:
+    """Tijdeman's bound on |c_i(n) - w_i n|: 1 - 1/(2k - 2) for k sources of nonzero weight (0 for one)."""
+    k = sum(w > 0 for w in weights)
+    return 1 - 1 / (2 * k - 2) if k > 1 else 0.0
+
+
 @dataclass
 class Segment:
     """A stretch of the stream with one set of weights: where it began and how many positions each source has
@@ -82,8 +88,7 @@ class Mixture:
     def _next_source(self) -> int:
         """Tijdeman's choice for the segment's next position."""
         weights, given = self.segment.weights, self.segment.given
-        n, k = sum(given) + 1, sum(w > 0 for w in weights)  # a source of weight 0 is not among the k
-        delta = 1 - 1 / (2 * k - 2) if k > 1 else 0.0
+        n, delta = sum(given) + 1, deviation_bound(weights)
         best, best_deadline = 0, float("inf")
         for i, (w, c) in enumerate(zip(weights, given)):
             if w > 0 and w * n - c >= 1 - delta - 1e-9:
@@ -97,17 +102,26 @@ class Mixture:
         total = sum(self.drawn) or 1
         return {name: drawn / total for name, drawn in zip(self.names, self.drawn)}
 
-    def check_caps(self, windows: Sequence[int], step: int, steps: int, global_batch_size: int) -> None:
-        """Refuse, in one line, a run whose steps ``step`` + 1 .. ``steps`` would read a source more often than
-        its ``max_epochs`` allows (``windows``: each source's number of windows). Counted with the bound: at most
-        w_i n + 1 positions of each segment of n."""
+    def planned_reads(self, step: int, steps: int, global_batch_size: int) -> list[float]:
+        """An upper bound on each source's reads over the whole run once steps ``step`` + 1 .. ``steps`` are
+        taken: at most w_i n + bound(w) positions of each segment of n, the segment running now counted from its
+        start."""
         changes = sorted({s for source in self.sources for s, _ in source.schedule if step < s <= steps})
         bounds = [step + 1, *changes, steps + 1]
         reads = [float(d) for d in self.drawn]
         for first, after in zip(bounds, bounds[1:]):
-            for i, w in enumerate(self.weights_at(first)):
-                reads[i] += w * (after - first) * global_batch_size + (1 if w else 0)
-        for source, read, n in zip(self.sources, reads, windows):
+            weights, length = self.weights_at(first), (after - first) * global_batch_size
+            continuing = first == step + 1 and self.segment is not None and self.segment.weights == weights
+            before = self.segment.given if continuing else [0] * len(weights)
+            for i, w in enumerate(weights):
+                if w > 0:
+                    reads[i] += w * (sum(before) + length) + deviation_bound(weights) - before[i]
+        return reads
+
+    def check_caps(self, windows: Sequence[int], step: int, steps: int, global_batch_size: int) -> None:
+        """Refuse, in one line, a run whose steps ``step`` + 1 .. ``steps`` could read a source more often than its
+        ``max_epochs`` allows (``windows``: each source's number of windows), by :meth:`planned_reads`."""
+        for source, read, n in zip(self.sources, self.planned_reads(step, steps, global_batch_size), windows):
             if source.max_epochs and read > source.max_epochs * n:
                 raise UserError(f"data.sources[{source.name}]: the run reads up to {read:,.0f} windows of it, "
                                 f"{read / n:.2f} epochs of its {n:,}, above its max_epochs={source.max_epochs:g}; "

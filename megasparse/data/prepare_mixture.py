@@ -40,11 +40,17 @@ def prepare_dataset(cfg: DataConfig, progress: bool = True, source: str | None =
         if source is not None:
             raise UserError(f"--source {source}: the config has no data.sources (it prepares one dataset)")
         return prepare_data(cfg, progress)
+    names = [s.name for s in cfg.sources]
+    if source is not None and source not in names:  # a position in data.sources (a Slurm array task's id)
+        if not (source.isdigit() and int(source) < len(names)):
+            raise UserError(f"--source {source}: no such source (data.sources: {', '.join(names)}; or a position "
+                            f"0-{len(names) - 1})")
+        source = names[int(source)]
     chosen = [s for s in cfg.sources if source is None or s.name == source]
-    if not chosen:
-        raise UserError(f"--source {source}: no such source (data.sources: {', '.join(s.name for s in cfg.sources)})")
     out = Path(cfg.path)
     describe_sources(cfg)  # every source's files exist, before any work
+    if (out / INDEX_FILE).is_file() and "mixture" not in _index(out):
+        raise UserError(f"'{out}' holds a prepared dataset of one source, not a mixture; choose another data.path")
     if source is None and (out / INDEX_FILE).is_file() and not missing_sources(cfg):
         raise UserError(f"'{out}' already holds a prepared dataset of these sources; choose another data.path or "
                         "remove it")
@@ -73,35 +79,56 @@ def prepare_dataset(cfg: DataConfig, progress: bool = True, source: str | None =
 
 
 def missing_sources(cfg: DataConfig) -> list[str]:
-    """The configured sources the dataset at ``data.path`` does not hold yet (all of them before it exists)."""
-    index = Path(cfg.path) / INDEX_FILE
-    held = open_prepared(Path(cfg.path)).sources if index.is_file() else {}
-    return [s.name for s in cfg.sources if s.name not in held]
+    """The configured sources the mixture at ``data.path`` does not hold complete (all of them before it exists;
+    one whose directory was removed to prepare it again)."""
+    out = Path(cfg.path)
+    locations = _index(out).get("mixture", {}) if (out / INDEX_FILE).is_file() else {}
+    return [s.name for s in cfg.sources if s.name not in locations or not (out / locations[s.name] / INDEX_FILE).is_file()]
+
+
+def _index(out: Path) -> dict:
+    """The index of the dataset at ``out``, read as it is (its sources not opened)."""
+    try:
+        return json.loads((out / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"'{out / INDEX_FILE}' is not valid JSON") from None
 
 
 def _mixture_tokenizer(cfg: DataConfig, out: Path) -> Path:
     """``out/tokenizer.model``, made first by whichever preparation gets here first (others wait on the lock)."""
     tokenizer, lock_path = out / TOKENIZER_FILE, out / ".tokenizer.lock"
+    prepared = [s for s in cfg.sources if s.path]
+    given = Path(cfg.tokenizer) if cfg.tokenizer else \
+        open_prepared(Path(prepared[0].path)).tokenizer_path if prepared else None
     with lock_path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if tokenizer.is_file():  # (also for one that waited on a lock file removed since: made before it was)
+        try:
+            if tokenizer.is_file():  # (also for one that waited on a lock file removed since: made before it was)
+                _check_kept(tokenizer, given, cfg.vocab_size)
+                return tokenizer
+            temporary = out / f"{TOKENIZER_FILE}.tmp"
+            if given is not None:
+                load_tokenizer(given)  # fails clearly if it is not a SentencePiece model
+                shutil.copyfile(given, temporary)
+            else:
+                parts = [source_config(cfg, s) for s in cfg.sources]
+                sample = training_sample(itertools.chain.from_iterable(
+                    up_to_bytes(iter_documents(part), BYTES_PER_TOKEN * part.max_tokens) for part in parts))
+                train_tokenizer(sample.lines, cfg.vocab_size, temporary)
+                (out / TRAINED_ON_FILE).write_text(json.dumps(sample.describe()))
+            os.replace(temporary, tokenizer)
             return tokenizer
-        prepared = [s for s in cfg.sources if s.path]
-        given = Path(cfg.tokenizer) if cfg.tokenizer else \
-            open_prepared(Path(prepared[0].path)).tokenizer_path if prepared else None
-        temporary = out / f"{TOKENIZER_FILE}.tmp"
-        if given is not None:
-            load_tokenizer(given)  # fails clearly if it is not a SentencePiece model
-            shutil.copyfile(given, temporary)
-        else:
-            parts = [source_config(cfg, s) for s in cfg.sources]
-            sample = training_sample(itertools.chain.from_iterable(
-                up_to_bytes(iter_documents(part), BYTES_PER_TOKEN * part.max_tokens) for part in parts))
-            train_tokenizer(sample.lines, cfg.vocab_size, temporary)
-            (out / TRAINED_ON_FILE).write_text(json.dumps(sample.describe()))
-        os.replace(temporary, tokenizer)
-        lock_path.unlink()
-    return tokenizer
+        finally:
+            lock_path.unlink(missing_ok=True)
+
+
+def _check_kept(tokenizer: Path, given: Path | None, vocab_size: int) -> None:
+    """Refuse a mixture's existing tokenizer that is not the one these settings make."""
+    if given is not None and file_sha256(given) != file_sha256(tokenizer):
+        raise UserError(f"'{tokenizer}' is not the tokenizer this config gives ({given}); choose another data.path")
+    if given is None and load_tokenizer(tokenizer).vocab_size() != vocab_size:
+        raise UserError(f"'{tokenizer}' has {load_tokenizer(tokenizer).vocab_size()} pieces, not "
+                        f"data.vocab_size={vocab_size}; choose another data.path")
 
 
 TRAINED_ON_FILE = "tokenizer-sample.json"  # what a trained mixture tokenizer saw, for the index

@@ -225,6 +225,7 @@ class Trainer:
         meta = CheckpointMeta.read(tag_dir)
         state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
         dropped = self.loader.load_state_dict(state["loader"])
+        self.loader.steps = meta.step  # the schedule's clock (a checkpoint's loader state may predate it)
         if dropped:
             _log(f"warning: {tag_dir} read from sources this run's data.sources no longer has: {', '.join(dropped)}")
         mixture = self.loader.mixture
@@ -273,17 +274,19 @@ class Trainer:
                 before, after = density_rounding(cfg)
                 _log(f"sparse: active counts rounded to multiples of {cfg.sparse.active_multiple} "
                      f"(sparse.active_multiple): overall density {before:.6f} -> {after:.6f}")
-            epochs = t.steps * t.global_batch_size / self.epoch_sequences
-            embedded = trains_on_embedded_corpus(cfg.data)
-            source = " (the embedded corpus, a smoke test's data)" if embedded else ""
-            _log(f"{'warning: ' if embedded and epochs > 1 else ''}data: {self.epoch_sequences:,} training sequences "
-                 f"of {cfg.data.seq_len} tokens{source}; {t.steps:,} steps of {t.global_batch_size} read "
-                 f"{epochs:,.2f} epoch(s)")
             if self.loader.mixture:
                 weights = self.loader.mixture.weights_at(self.step + 1)
-                _log("data: a mixture of " + ", ".join(
+                _log(f"data: a mixture of sequences of {cfg.data.seq_len} tokens, " + ", ".join(
                     f"{name} ({len(self.windows.train[name]):,} sequences, weight {w:.3g})"
-                    for name, w in zip(self.loader.mixture.names, weights)))
+                    for name, w in zip(self.loader.mixture.names, weights)) + f"; {t.steps:,} steps of "
+                    f"{t.global_batch_size}")
+            else:
+                epochs = t.steps * t.global_batch_size / self.epoch_sequences
+                embedded = trains_on_embedded_corpus(cfg.data)
+                source = " (the embedded corpus, a smoke test's data)" if embedded else ""
+                _log(f"{'warning: ' if embedded and epochs > 1 else ''}data: {self.epoch_sequences:,} training "
+                     f"sequences of {cfg.data.seq_len} tokens{source}; {t.steps:,} steps of {t.global_batch_size} "
+                     f"read {epochs:,.2f} epoch(s)")
         rank0_runs(self._prepare_checkpoint_dir, "preparing the checkpoint directory")
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
@@ -322,7 +325,7 @@ class Trainer:
                     "lr": lr,
                     **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
                     "tokens": self.step * tokens_per_step,
-                    "epoch": self.step * t.global_batch_size / self.epoch_sequences,
+                    "epoch": self._epochs(),
                     "tokens_per_s": window_steps * tokens_per_step / elapsed,
                     **throughput(window_steps * tokens_per_step / elapsed, dist.get_world_size(),
                                  self.flops_per_token.training, self.peak_tflops),
@@ -451,14 +454,23 @@ class Trainer:
         self.engine.train()
         self.metrics.text("sample", self.step, cfg.sample_prompt + continuation(pieces, prompt, tokens))
 
+    def _passes(self) -> dict[str, float]:
+        """A mixture's passes over each source's windows so far."""
+        mixture = self.loader.mixture
+        return {name: drawn / len(self.windows.train[name]) for name, drawn in zip(mixture.names, mixture.drawn)}
+
+    def _epochs(self) -> float:
+        """Passes over the training windows so far; of a mixture, over the source read most often."""
+        if self.loader.mixture:
+            return max(self._passes().values())
+        return self.loader.consumed_samples / self.epoch_sequences
+
     def _realised_mix(self) -> dict[str, float]:
         """A mixture's share of each source over the run so far, and the passes over each source's windows."""
-        mixture = self.loader.mixture
-        if not mixture:
+        if not self.loader.mixture:
             return {}
-        passes = {f"epochs/{name}": drawn / len(self.windows.train[name])
-                  for name, drawn in zip(mixture.names, mixture.drawn)}
-        return {**{f"mix/{name}": share for name, share in mixture.shares().items()}, **passes}
+        return {**{f"mix/{name}": share for name, share in self.loader.mixture.shares().items()},
+                **{f"epochs/{name}": passes for name, passes in self._passes().items()}}
 
     def _mixture_record(self) -> dict[str, dict[str, float]]:
         mixture = self.loader.mixture
