@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 import activation_memory  # noqa: E402
 import compile_speed  # noqa: E402
 import host_syncs  # noqa: E402
+import hybrid_forward  # noqa: E402
 import inference_speed  # noqa: E402
 import loader_memory  # noqa: E402
 import lowrank_init  # noqa: E402
@@ -90,6 +91,7 @@ BENCHMARKS = {
     "loader_memory": "the loader's host memory and time to the first batch against the corpus size",
     "prepare_speed": "prepare-data's tokens/s per worker, 1 against 2 workers, and a kill half-way's cost",
     "mixture_shares": "a data mixture's realised shares against its weights after 10^3, 10^5 and 10^6 samples",
+    "hybrid_forward": "W = A B + S: composing W once per pass against adding the two branches' products",
 }
 
 # For every committed result: the commit that last wrote it (`git log -1 -- benchmarks/results/NAME.json`) and,
@@ -108,6 +110,7 @@ MEASURED_AT = {
     "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
     "peers.json": ("3ce9594 (2026-12-01)", None),
     "prepare_speed.json": ("64973cc (2026-12-03)", None),
+    "hybrid_forward.json": ("COMMIT (2026-12-03)", None),
     "mixture_shares.json": ("c4b3ce2 (2026-12-03)", None),
     "peers_before.json": ("3ce9594 (2026-12-01)", "3ce9594 without its single-rank ZeRO-0 change"),
     "rigl_memory.json": ("e0efbfd (2026-12-02)", None),
@@ -220,6 +223,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "lowrank_init": lambda: lowrank_init.table(result("lowrank_init")),
     "prepare_speed": lambda: prepare_speed.table(result("prepare_speed")),
     "mixture_shares": lambda: mixture_shares.table(result("mixture_shares")["runs"]),
+    "hybrid_forward": lambda: hybrid_forward.table(result("hybrid_forward")["results"]),
     "loader_memory": lambda: loader_memory.table(result("loader_memory_before")["runs"] + result("loader_memory")["runs"]),
     **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
        for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled", "rigl_memory_mask",
