@@ -3,6 +3,7 @@ parts prepared separately then indexed, sources added later), training through `
 against one process, resume with changed weights on another data-parallel size, the realised mix in the metrics
 and in ``megasparse inspect``, and a validation loss per source."""
 import pytest
+import yaml
 
 from helpers import megasparse, megasparse_here, one_error_line, tiny_config, train_losses, write_config
 from megasparse.data.shards import open_prepared
@@ -136,3 +137,14 @@ def test_a_mixture_never_overwrites_a_dataset(tmp_path, corpus, dataset):
     shutil.rmtree(tmp_path / "mix" / "sources" / "code")
     megasparse_here("prepare-data", str(write_config(tmp_path / "d.yaml", cfg))).check()
     assert set(open_prepared(tmp_path / "mix").sources) == {"prose", "code", "more"}
+
+
+def test_a_run_past_a_repetition_cap_is_refused_before_it_starts(two_rank_run, corpus):
+    """One line naming the source, before any process group (preflight), on every launcher's path."""
+    tmp, _ = two_rank_run
+    path = config(tmp, corpus, tmp / "tokens", "capped", training={"steps": 40})
+    raw = yaml.safe_load(path.read_text())
+    raw["data"]["sources"][1]["max_epochs"] = 0.01  # 40 steps of 8 read about 96 of its windows: far more than 1 %
+    result = megasparse("train", str(write_config(path, raw)), nproc=1)
+    one_error_line(result, "data.sources[code]: the run reads up to")
+    assert not (tmp / "capped").exists()

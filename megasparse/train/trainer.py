@@ -30,6 +30,7 @@ from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import PROJECTIONS, Config, config_from_dict
 from megasparse.data.corpus import describe_sources, trains_on_embedded_corpus
 from megasparse.data.loader import ORDER, evaluation_batches, inputs_and_targets, to_device
+from megasparse.data.mixture import Mixture
 from megasparse.data.prepare_mixture import missing_sources
 from megasparse.data.shards import INDEX_FILE, TokenWindows, open_prepared
 from megasparse.data.tokenizer import continuation, load_tokenizer
@@ -117,7 +118,11 @@ def preflight(cfg: Config, world_size: int, resume: str | None = None) -> str | 
             raise UserError(f"logging.wandb: cannot import wandb ({exc}); install it with pip install "
                             "'megasparse[wandb]' or set logging.wandb=false") from None
     if (Path(cfg.data.path) / INDEX_FILE).exists() and not (cfg.data.sources and missing_sources(cfg.data)):
-        usable_windows(cfg, open_prepared(Path(cfg.data.path)))
+        windows = usable_windows(cfg, open_prepared(Path(cfg.data.path)))
+        if cfg.data.sources and not resumes:  # (a resumed run's reads so far are counted once it has loaded them)
+            t = cfg.training
+            Mixture(cfg.data.sources).check_caps([len(w) for w in windows.train.values()], 0, t.steps,
+                                                 t.global_batch_size)
     else:
         describe_sources(cfg.data)  # the files to prepare it from exist
     return fitted
