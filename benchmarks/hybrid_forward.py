@@ -8,7 +8,7 @@ Two candidate forward computations of one hybrid projection, forward and backwar
   which scatters its dense S for its product), each with its own autograd;
 - ``compose``: W = A B + S formed in the sparse layer's scattered buffer (one ``addmm_``), y = x W^T; the backward
   pass forms W again (not saved), dL/dx = g W, dL/dW = g^T x, then dL/dA = dL/dW B^T, dL/dB = A^T dL/dW and
-  dL/dS at the active positions.
+  dL/dS at the active positions (``HybridLinear``, megasparse/hybrid/layer.py).
 
 Per element of work: compose adds 3 products of out x in x r per pass (W formed twice, dA and dB from dL/dW), add
 adds 3 of T x r x (in + out) (T tokens); so compose does less whenever T > in out / (in + out). The shapes are
@@ -58,46 +58,25 @@ def _worker(a: dict, result: Path) -> None:
     import json
 
     import torch
-    import torch.nn.functional as F
 
-    from megasparse.lowrank.layers import LowRankLinear
+    from megasparse.hybrid.layer import HybridLinear
     from megasparse.parallel.layers import WeightInit
-    from megasparse.sparse.layer import SparseLinear
-
-    class Composed(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, a_, b_, values, layer):
-            ctx.save_for_backward(x, a_, b_, values)
-            ctx.layer = layer
-            return F.linear(x, layer.scatter(values).addmm_(a_, b_))
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            x, a_, b_, values = ctx.saved_tensors
-            positions = ctx.layer.shard_positions()
-            weight = ctx.layer.scatter(values, positions).addmm_(a_, b_)
-            grad_x = grad_out @ weight
-            del weight
-            grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            return grad_x, grad_weight @ b_.t(), a_.t() @ grad_weight, grad_weight.reshape(-1)[positions], None
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     in_features, out_features = SHAPES[a["shape"]]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a["precision"]]
-    init = WeightInit(0.02)
-    lowrank = LowRankLinear(in_features, out_features, rank_for(in_features, out_features), init).to(dtype)
-    sparse = SparseLinear(in_features, out_features, DENSITY, init).to(dtype)
+    layer = HybridLinear(in_features, out_features, rank_for(in_features, out_features), DENSITY,
+                         WeightInit(0.02)).to(dtype)
     with torch.no_grad():
-        sparse.values.normal_(0, 0.02)
+        layer.residual.values.normal_(0, 0.02)  # (it starts at zero)
+    lowrank, sparse = layer.factors, layer.residual
     params = [lowrank.A, lowrank.B, sparse.values]
 
     def add(x):
         return lowrank(x) + sparse(x)
 
-    def compose(x):
-        return Composed.apply(x, lowrank.A, lowrank.B, sparse.values, sparse)
-
+    compose = layer
     candidates = {"add": add, "compose": compose}
     rows = []
     for tokens in a["tokens"]:

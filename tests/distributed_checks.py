@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import sys
 import traceback
 from datetime import timedelta
@@ -18,6 +19,7 @@ import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 
+from megasparse.hybrid.layer import HybridLinear
 from megasparse.lowrank.layers import LowRankLinear, SharedFactorisation, balanced_factors
 from megasparse.lowrank.linalg import newton_schulz, power_iteration
 from megasparse.lowrank.spectron import Spectron, factor_pairs
@@ -53,12 +55,23 @@ def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = Fal
         if kind == "sparse":  # 16 x hidden x 1/4 and hidden x 12 x 1/3 active weights: both even for 24 and 21
             return (SparseLinear(16, hidden, 0.25, WeightInit(0.3), t, column, pad=pad),
                     SparseLinear(hidden, 12, 1 / 3, WeightInit(0.3), t, row, pad=pad))
+        if kind == "hybrid":  # the factors and residuals of the two above, S drawn (it starts at zero)
+            pair = (HybridLinear(16, hidden, 6, 0.25, WeightInit(0.3), t, column, pad=pad),
+                    HybridLinear(hidden, 12, 5, 1 / 3, WeightInit(0.3), t, row, pad=pad))
+            for layer in pair:
+                whole_values = torch.randn(layer.residual.nnz, generator=torch.Generator().manual_seed(2))
+                first = layer.residual.first_slot
+                layer.residual.values.data.copy_(whole_values[first:first + layer.residual.stored_slots])
+            return pair
         return (ColumnParallelLinear(16, hidden, t, WeightInit(0.3), pad=pad),
                 RowParallelLinear(hidden, 12, t, WeightInit(0.3), pad=pad))
 
     split, whole = build(tp, padded), build(TensorParallel(), False)
-    if kind == "sparse":  # what RigL's update steps collect
-        for layer in (*split, *whole):
+    def sparse_part(layer):
+        return layer.residual if kind == "hybrid" else layer
+
+    if kind in ("sparse", "hybrid"):  # what RigL's update steps collect
+        for layer in map(sparse_part, (*split, *whole)):
             layer.dense_grad_hook = functools.partial(setattr, layer, "dense_grad")
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
     x_whole = x.detach().clone().requires_grad_()
@@ -67,18 +80,19 @@ def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = Fal
     (y.square().sum()).backward()
     (y_whole.square().sum()).backward()
     errors = [relative(y, y_whole), relative(x.grad, x_whole.grad)]
-    names = {"lowrank": ["A", "B"], "sparse": ["values"]}.get(kind, ["weight"])
+    names = {"lowrank": ["A", "B"], "sparse": ["values"], "hybrid": ["factors.A", "factors.B", "residual.values"]}
     for layer, reference in zip(split, whole):
-        for name in names:
-            param, ref = getattr(layer, name), getattr(reference, name)
+        for name in names.get(kind, ["weight"]):
+            param, ref = operator.attrgetter(name)(layer), operator.attrgetter(name)(reference)
             dim = getattr(param, "partition_dim", None)
             full = gathered(param.grad, tp, dim) if dim is not None else param.grad
             errors.append(relative(unpadded(full, getattr(param, "padding", None)), ref.grad))
             if hasattr(param, "padding"):  # the padding's gradient: exactly zero, or the check fails
                 pad_dim, width = param.padding
                 errors.append(float("inf") if full.narrow(pad_dim, width, full.shape[pad_dim] - width).any() else 0)
-        if kind == "sparse":
-            errors.append(relative(layer.whole_matrix(layer.dense_grad), reference.dense_grad))
+        if kind in ("sparse", "hybrid"):
+            part, reference_part = sparse_part(layer), sparse_part(reference)
+            errors.append(relative(part.whole_matrix(part.dense_grad), reference_part.dense_grad))
     return max(errors)
 
 
@@ -94,10 +108,28 @@ def sparse_pair(tp):
     return mlp_pair(tp, "sparse")
 
 
+def hybrid_pair(tp):
+    return mlp_pair(tp, "hybrid")
+
+
+def hybrid_is_the_sum_of_its_parts(tp: TensorParallel) -> float:
+    """W = A B + S formed once: y and every gradient against the two parts' own layers' products added."""
+    torch.manual_seed(0)
+    layer = HybridLinear(16, 24, 6, 0.25, WeightInit(0.3))
+    layer.residual.values.data.normal_(generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x_parts = x.detach().clone().requires_grad_()
+    y, y_parts = layer(x), layer.factors(x_parts) + layer.residual(x_parts)
+    params = [layer.factors.A, layer.factors.B, layer.residual.values]
+    grads = torch.autograd.grad(y.square().sum(), [x, *params])
+    grads_parts = torch.autograd.grad(y_parts.square().sum(), [x_parts, *params])
+    return max([relative(y, y_parts)] + [relative(g, h) for g, h in zip(grads, grads_parts)])
+
+
 def padded_pairs(tp: TensorParallel) -> float:
-    """The three pairs with a hidden width of 21 (split over 2 ranks: 16 each, 11 of them zeros on the second;
+    """The four pairs with a hidden width of 21 (split over 2 ranks: 16 each, 11 of them zeros on the second;
     on 1 rank: 24), against the unpadded, unsplit pairs."""
-    return max(mlp_pair(t, kind, hidden=21, padded=True) for kind in ("dense", "lowrank", "sparse")
+    return max(mlp_pair(t, kind, hidden=21, padded=True) for kind in ("dense", "lowrank", "sparse", "hybrid")
                for t in (tp, TensorParallel()))
 
 
@@ -323,7 +355,7 @@ def group_timeouts(tp: TensorParallel) -> float:
     return max(abs(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() - 180) for g in groups)
 
 
-CHECKS = [dense_pair, lowrank_pair, sparse_pair, padded_pairs, vocab_parallel, power_iteration_steps,
+CHECKS = [dense_pair, lowrank_pair, sparse_pair, hybrid_pair, hybrid_is_the_sum_of_its_parts, padded_pairs, vocab_parallel, power_iteration_steps,
           power_iteration_converges, newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, spectron_step_unequal_partitions,
           shared_factorisation, zero3_build, group_timeouts]
 

@@ -16,6 +16,7 @@ FLOORS = [
     ["megasparse.parallel"],
     ["megasparse.optim", "megasparse.data"],
     ["megasparse.sparse", "megasparse.lowrank"],
+    ["megasparse.hybrid"],
     ["megasparse.model"],
     ["megasparse.checkpoint"],
     ["megasparse.train"],

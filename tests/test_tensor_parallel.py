@@ -15,7 +15,9 @@ TOLERANCES = {
     "dense_pair": 1e-6,            # column- then row-parallel linear: outputs, input and weight gradients
     "lowrank_pair": 1e-6,          # the same with low-rank factors (A split / B split)
     "sparse_pair": 1e-6,           # the same with SMET's sparse layers (slots split), and RigL's dense gradient
-    "padded_pairs": 1e-6,          # the three with a hidden width padded to split (21 -> 2 x 16 and 24): exact zeros
+    "hybrid_pair": 1e-6,           # the same with W = A B + S formed once (both parts split alike), RigL's gradient
+    "hybrid_is_the_sum_of_its_parts": 1e-6,  # W = A B + S formed once against the two parts' products added
+    "padded_pairs": 1e-6,          # the four with a hidden width padded to split (21 -> 2 x 16 and 24): exact zeros
     "vocab_parallel": 1e-6,        # vocabulary-parallel embedding, head, cross-entropy and their gradients
     "power_iteration_steps": 1e-6,  # each power-iteration step, split vs whole
     "power_iteration_converges": 1e-4,  # against torch.linalg.matrix_norm(X, 2)

@@ -1,0 +1,1 @@
+"""W = A B + S: native low-rank factors plus a sparse residual (issue 30)."""
