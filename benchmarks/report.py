@@ -110,7 +110,7 @@ MEASURED_AT = {
     "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
     "peers.json": ("3ce9594 (2026-12-01)", None),
     "prepare_speed.json": ("64973cc (2026-12-03)", None),
-    "hybrid_forward.json": ("COMMIT (2026-12-03)", None),
+    "hybrid_forward.json": ("bfd8cac (2026-12-03)", None),
     "mixture_shares.json": ("c4b3ce2 (2026-12-03)", None),
     "peers_before.json": ("3ce9594 (2026-12-01)", "3ce9594 without its single-rank ZeRO-0 change"),
     "rigl_memory.json": ("e0efbfd (2026-12-02)", None),
