@@ -132,7 +132,9 @@ class ModelConfig:
     # N(0, 1) (Spectron's reference code)
     init: Literal["scaled_normal", "normal", "torch"] = "scaled_normal"
     init_std: float = number(0.02, gt=0)
-    layer: Literal["dense", "sparse", "lowrank"] = "dense"  # the attention/MLP projections: see `sparse`, `lowrank`
+    # the attention/MLP projections: see `sparse`, `lowrank`; hybrid: W = A B + S, low-rank factors plus a sparse
+    # residual on lowrank.targets (rank from `lowrank`, density and topology updates from `sparse`)
+    layer: Literal["dense", "sparse", "lowrank", "hybrid"] = "dense"
 
     @property
     def kv_heads(self) -> int:
@@ -195,7 +197,9 @@ class DataConfig:
 class OptimizerConfig:
     """Client optimizer and its learning-rate schedule."""
 
-    name: Literal["adamw", "smet", "spectron"] = "adamw"  # smet: sparse models; spectron: low-rank models
+    # smet: sparse models; spectron: low-rank models; hybrid: hybrid models (Spectron's step for the factors, SMET's
+    # for the residuals)
+    name: Literal["adamw", "smet", "spectron", "hybrid"] = "adamw"
     lr: float = number(3e-4, gt=0)
     min_lr: float = number(3e-5, ge=0, le="optimizer.lr")
     betas: tuple[float, float] = number((0.9, 0.95), ge=0, lt=1)
@@ -452,6 +456,15 @@ class Config:
         lowrank = self.model.layer == "lowrank"
         _require(self.optimizer.name != "spectron" or (lowrank and bool(lr.targets)), "optimizer.name",
                  "spectron steps factorised weights, and this model has none: set model.layer=lowrank")
+        hybrid = self.model.layer == "hybrid"
+        _require(hybrid == (self.optimizer.name == "hybrid"), "optimizer.name" if not hybrid else "model.layer",
+                 "hybrid projections and optimizer.name=hybrid go together")
+        _require(not hybrid or (bool(lr.targets) and sorted(sp.targets) == sorted(lr.targets)), "sparse.targets",
+                 f"a hybrid model's residuals lie on its factorised projections: give sparse.targets the projections "
+                 f"of lowrank.targets ({', '.join(lr.targets) or 'none'})")
+        _require(not hybrid or self.parallel.zero_stage < 3, "parallel.zero_stage",
+                 "3 does not partition hybrid projections yet (their parts' parameters are used outside their own "
+                 "modules' forward); use 0, 1 or 2")
 
     def _validate_sources(self) -> None:
         d = self.data

@@ -192,6 +192,9 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
 
 def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     """The plan of ``cfg`` and of its dense AdamW counterpart as a table, and whether each fits."""
+    if cfg.model.layer == "hybrid":
+        raise UserError("model.layer: plan does not count hybrid projections (W = A B + S) yet; plan the config "
+                        "with model.layer=lowrank and with model.layer=sparse and add the projections' bytes")
     vocab_size, source = vocabulary(cfg)
     ours, dense = plan(cfg, gpus, vocab_size), plan(dense_counterpart(cfg), gpus, vocab_size)
     t = cfg.parallel.tensor_parallel

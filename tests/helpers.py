@@ -54,6 +54,11 @@ METHODS["smet-tp-erk"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"][
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).
 METHODS["spectron-adam"] = {**METHODS["spectron"], "spectron": {"lr": 0.01, "orthogonalise": False}}
+# W = A B + S: Spectron's factors (rank 0.25 x in_features) plus a SMET residual of density 0.25 (an even number of
+# slots in every llama-tiny projection, for 2 tensor-parallel ranks), updated every 2 steps, starting at zero.
+METHODS["hybrid"] = {"model": {"layer": "hybrid"}, "optimizer": {"name": "hybrid", "lr": 1e-3, "min_lr": 3e-5},
+                     "sparse": {"density": 0.25, "update_interval": 2}, "smet": {"slot_warmup_steps": 3},
+                     "spectron": {"lr": 0.05}}
 # llama-tiny with an MLP width that 2 tensor-parallel ranks cannot share in aligned halves (180: stored as 184 on
 # one rank, 2 x 96 on two), as llama-1b's 5461 is on 2-8 ranks.
 for _method in ("dense", "spectron", "smet-tp-rigl"):

@@ -139,11 +139,11 @@ def test_consolidated_forms(runs, tmp_path):
 
 
 @pytest.mark.parametrize("method,zero,nproc,tp", [("dense", 2, 2, 1), ("smet", 2, 2, 1), ("spectron", 2, 2, 2),
-                                                  ("spectron-ffn180", 1, 4, 2)])
+                                                  ("spectron-ffn180", 1, 4, 2), ("hybrid", 2, 4, 2)])
 def test_export_hf_logits_and_tokenizer(runs, tmp_path, method, zero, nproc, tp):
     """`transformers` loads the export; its logits equal the megasparse model's within 1e-4 (fp32) and its
     tokenizer encodes like the SentencePiece model the data was made with. A padded MLP (ffn_dim 180, stored as
-    2 x 96) exports its real width."""
+    2 x 96) exports its real width; a hybrid projection its dense W = A B + S."""
     tag = trained(runs, method, zero, nproc, tp)
     megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "hf")).check()
     checkpoint = open_checkpoint(tag)

@@ -64,13 +64,13 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokeniz
         raise UserError(f"checkpoint '{tag_dir}' is {saved.training.precision}; this config trains in "
                         f"{cfg.training.precision}")
     keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
-                                              if cfg.model.layer == "sparse" else [])
-    keys += ["spectron.orthogonalise"] if cfg.optimizer.name == "spectron" else []  # momenta or Adam moments
+                                              if cfg.model.layer in ("sparse", "hybrid") else [])
+    keys += ["spectron.orthogonalise"] if cfg.optimizer.name in ("spectron", "hybrid") else []  # momenta or moments
     for key in keys:
         section, name = key.split(".")
         theirs, ours = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
         if theirs != ours:
             raise UserError(f"checkpoint '{tag_dir}' was trained with {key}={theirs}; this config has {ours}")
-    if cfg.model.layer == "lowrank" and low_ranks(saved) != low_ranks(cfg):
+    if cfg.model.layer in ("lowrank", "hybrid") and low_ranks(saved) != low_ranks(cfg):
         raise UserError(f"checkpoint '{tag_dir}' has other low-rank factors ({low_ranks(saved)}); this config's "
                         f"lowrank.rank, rank_ratio, rank_multiple and targets give {low_ranks(cfg)}")

@@ -38,6 +38,7 @@ from megasparse.checkpoint.state import local_shard
 from megasparse.config import Config, config_from_dict
 from megasparse.data.tokenizer import file_sha256
 from megasparse.errors import UserError
+from megasparse.hybrid.layer import HybridLinear
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
@@ -66,6 +67,12 @@ def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse:
         elif isinstance(module, LowRankLinear) and lowrank == "dense":
             a, b = out.pop(f"{prefix}.A"), out.pop(f"{prefix}.B")
             out[f"{prefix}.weight"] = (a.double() @ b.double()).to(a.dtype)
+    for prefix, module in model.named_modules():  # a hybrid projection's dense parts (its children's) summed
+        if isinstance(module, HybridLinear) and lowrank == "dense":
+            if sparse != "dense":
+                raise UserError("a hybrid model's projections are dense as one matrix W = A B + S: give --lowrank "
+                                "dense with --sparse dense, or keep the factors (--lowrank factors)")
+            out[f"{prefix}.weight"] = out.pop(f"{prefix}.factors.weight") + out.pop(f"{prefix}.residual.weight")
     if model.lm_head.weight is model.embed_tokens.weight:
         out.pop("lm_head.weight", None)
     return out

@@ -34,10 +34,10 @@ def describe(checkpoint: Checkpoint) -> list[str]:
         shape = f"{module.out_features} x {module.in_features}"
         if isinstance(module, SparseLinear):
             numel = module.out_features * module.in_features
-            lines.append(f"  {name:32s} {shape:>11s}  density {module.nnz / numel:.4f} ({module.nnz:,} active)")
+            lines.append(f"  {name:40s} {shape:>11s}  density {module.nnz / numel:.4f} ({module.nnz:,} active)")
         else:
             share = module.rank * (module.out_features + module.in_features) / (module.out_features * module.in_features)
-            lines.append(f"  {name:32s} {shape:>11s}  rank {module.rank} ({share:.2f} of the dense parameters)")
+            lines.append(f"  {name:40s} {shape:>11s}  rank {module.rank} ({share:.2f} of the dense parameters)")
     lines.append(f"files        {len(files)}, {_size(sum(sizes.values()))}, all present and readable")
     lines += [f"  {name:52s} {_size(size):>10s}" for name, size in sizes.items()]
     return lines

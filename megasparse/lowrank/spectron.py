@@ -147,6 +147,12 @@ class Spectron(torch.optim.Optimizer):
                  orthogonalise: bool = True, renormalise: bool = True, ns_dtype: torch.dtype = torch.float32) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, spectron=False)
         super().__init__(params, defaults)
+        self._configure_factor_step(momentum, nesterov, ns_steps, shape_scale, orthogonalise, renormalise, ns_dtype)
+
+    def _configure_factor_step(self, momentum: float, nesterov: bool, ns_steps: int, shape_scale: bool,
+                               orthogonalise: bool, renormalise: bool, ns_dtype: torch.dtype) -> None:
+        """The factor step's settings and bookkeeping (apart from ``__init__``: an optimizer that composes this one
+        with another sets both up itself)."""
         self.momentum, self.nesterov, self.ns_steps, self.ns_dtype = momentum, nesterov, ns_steps, ns_dtype
         self.shape_scale, self.orthogonalise, self.renormalise = shape_scale, orthogonalise, renormalise
         self.pairs: list[FactorPair] = []
@@ -201,11 +207,16 @@ class Spectron(torch.optim.Optimizer):
                 self._directions.update((id(p), self._adam_direction(s, p.grad, group)) for p, s in zip(params, states))
             else:
                 for p, state in zip(params, states):
-                    adamw_update(p, p.grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                    self._elementwise_update(p, state, group)
         factor_group = next((g for g in self.param_groups if g["spectron"] and g["params"]), None)
         if factor_group is not None and self.pairs:
             self._step_factors(factor_group)
         self._directions.clear()
+
+    @staticmethod
+    def _elementwise_update(p: torch.Tensor, state: dict, group: dict) -> None:
+        """The step of a parameter that is not a factor: AdamW."""
+        adamw_update(p, p.grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     def _momentum_directions(self, states: list[dict], params: list[torch.Tensor]) -> list[torch.Tensor]:
         """M <- b M + (1 - b) G on this rank's partitions; returns what gets orthogonalised."""

@@ -11,7 +11,8 @@ import torch
 from megasparse.config import Config, ModelConfig
 from megasparse.errors import ConfigError
 from megasparse.lowrank.layers import Factorise, balanced_factors
-from megasparse.model.layers import DenseLayers, LayerFactory, LowRankLayers, SparseLayers, TensorParallelLayers
+from megasparse.model.layers import (DenseLayers, HybridLayers, LayerFactory, LowRankLayers, SparseLayers,
+                                     TensorParallelLayers)
 from megasparse.model.llama import Llama
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.density import layer_densities
@@ -56,6 +57,8 @@ def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel(), factorise:
     base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
     if cfg.model.layer == "sparse":
         return SparseLayers(base, tp, sparse_densities(cfg))
+    if cfg.model.layer == "hybrid":
+        return HybridLayers(base, tp, low_ranks(cfg), sparse_densities(cfg), factorise)
     return LowRankLayers(base, tp, low_ranks(cfg), factorise) if cfg.model.layer == "lowrank" else base
 
 

@@ -12,7 +12,8 @@ the factory from ``model.layer`` and the tensor-parallel degree, the way torchti
 - ``TensorParallelLayers``: Megatron-style column/row-parallel projections (q, k, v, gate, up by
   columns; o, down by rows), a vocabulary-parallel embedding and head;
 - ``LowRankLayers``: ``LowRankLinear`` (W = A B) for the low-rank targets, split over the
-  tensor-parallel group the same way, everything else as above.
+  tensor-parallel group the same way, everything else as above;
+- ``HybridLayers``: ``HybridLinear`` (W = A B + S) for the low-rank targets, likewise.
 
 Every factory draws each weight from the global RNG in the same order and shape, so for one
 seed all of them start from the same dense model (sparse masks it, low-rank factorises it,
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megasparse.hybrid.layer import HybridLinear
 from megasparse.lowrank.layers import Factorise, LowRankLinear, balanced_factors
 from megasparse.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                         VocabParallelHead, WeightInit, sharded_parameter)
@@ -133,6 +135,22 @@ class LowRankLayers:
             return self.base.projection(in_features, out_features, role, init)
         return LowRankLinear(in_features, out_features, self.ranks[role], init, self.tp, _split(role),
                              self.factorise, pad=role in PADDED_ROLES)
+
+
+class HybridLayers:
+    """``HybridLinear`` (W = A B + S) of the given rank and residual density for each role in ``ranks``; everything
+    else from ``base``."""
+
+    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, ranks: dict[str, int],
+                 densities: dict[str, float], factorise: Factorise = balanced_factors) -> None:
+        self.base, self.tp, self.ranks, self.densities, self.factorise = base, tp, ranks, densities, factorise
+        self.embedding, self.head = base.embedding, base.head
+
+    def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
+        if role not in self.ranks:
+            return self.base.projection(in_features, out_features, role, init)
+        return HybridLinear(in_features, out_features, self.ranks[role], self.densities[role], init, self.tp,
+                            _split(role), self.factorise, pad=role in PADDED_ROLES)
 
 
 def _split(role: Role) -> Literal["column", "row"]:

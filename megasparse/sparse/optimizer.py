@@ -63,6 +63,12 @@ class SMETAdam(torch.optim.Optimizer):
                  warmup_form: Literal["moment", "lr"] = "moment") -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, sparse=False)
         super().__init__(params, defaults)
+        self._configure_slot_step(slot_warmup_steps, per_slot_steps, warmup_form)
+
+    def _configure_slot_step(self, slot_warmup_steps: int, per_slot_steps: bool,
+                             warmup_form: Literal["moment", "lr"]) -> None:
+        """The per-slot step's settings and bookkeeping (apart from ``__init__``: an optimizer that composes this
+        one with another sets both up itself)."""
         self.slot_warmup_steps = slot_warmup_steps
         self.per_slot_steps = per_slot_steps
         self.warmup_form = warmup_form
@@ -149,14 +155,17 @@ class SMETAdam(torch.optim.Optimizer):
     def _state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
-            per_slot = group["sparse"] and self.per_slot_steps
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["cohort"] = torch.zeros_like(p, dtype=torch.uint8) if per_slot else None
-            # birth step of each cohort; -1: unused
-            state["birth"] = [0.0] + [-1.0] * (_COHORTS - 1) if per_slot else None
+            self._start_cohorts(state, p, group)
         return self._loaded(state)
+
+    def _start_cohorts(self, state: dict, p: torch.Tensor, group: dict) -> None:
+        """A new state's cohort ids (all in cohort 0) and birth table, for a sparse group with per-slot steps."""
+        per_slot = group["sparse"] and self.per_slot_steps
+        state["cohort"] = torch.zeros_like(p, dtype=torch.uint8) if per_slot else None
+        state["birth"] = [0.0] + [-1.0] * (_COHORTS - 1) if per_slot else None  # each cohort's birth step; -1 unused
 
     @staticmethod
     def _loaded(state: dict) -> dict:

@@ -198,7 +198,8 @@ class Trainer:
 
         partitioned = cfg.parallel.zero_stage > 0
         self.topology = TopologyUpdater(self.engine.module, cfg.sparse, t.steps, t.seed, self.optimizer, fragments,
-                                        self.dp_group, partitioned) if cfg.model.layer == "sparse" else None
+                                        self.dp_group, partitioned) if cfg.model.layer in ("sparse", "hybrid") \
+            else None
         if isinstance(self.optimizer, Spectron):
             self.optimizer.attach(factor_pairs(self.engine.module), fragments, self.dp_group,
                                   partitioned=partitioned)
@@ -275,7 +276,7 @@ class Trainer:
                  f"{self.data.vocab_size}; {self.parallel.tensor_parallel_size} tensor-parallel x {self.dp_size} "
                  f"data-parallel rank(s), ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
                  f"{self.loader.accumulation_steps} micro-batch(es) of {t.micro_batch_size} per step")
-            if cfg.model.layer == "sparse" and cfg.sparse.active_multiple > 1:
+            if cfg.model.layer in ("sparse", "hybrid") and cfg.sparse.active_multiple > 1:
                 before, after = density_rounding(cfg)
                 _log(f"sparse: active counts rounded to multiples of {cfg.sparse.active_multiple} "
                      f"(sparse.active_multiple): overall density {before:.6f} -> {after:.6f}")
@@ -495,7 +496,8 @@ class Trainer:
     def _held_memory(self) -> dict[str, int]:
         """What rank 0 holds between steps, by kind (megasparse.train.memory), whole model and projections."""
         model = held_bytes(self.engine, self.optimizer)
-        projections = held_bytes(self.engine, self.optimizer, lambda name: name.split(".")[-2] in PROJECTIONS)
+        projections = held_bytes(self.engine, self.optimizer,  # (a hybrid projection's are its parts')
+                                 lambda name: any(part in PROJECTIONS for part in name.split(".")[:-1]))
         return {**{f"{kind}_bytes": value for kind, value in model.items()},
                 **{f"projections_{kind}_bytes": value for kind, value in projections.items()}}
 
