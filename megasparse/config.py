@@ -462,9 +462,6 @@ class Config:
         _require(not hybrid or (bool(lr.targets) and sorted(sp.targets) == sorted(lr.targets)), "sparse.targets",
                  f"a hybrid model's residuals lie on its factorised projections: give sparse.targets the projections "
                  f"of lowrank.targets ({', '.join(lr.targets) or 'none'})")
-        _require(not hybrid or self.parallel.zero_stage < 3, "parallel.zero_stage",
-                 "3 does not partition hybrid projections yet (their parts' parameters are used outside their own "
-                 "modules' forward); use 0, 1 or 2")
 
     def _validate_sources(self) -> None:
         d = self.data

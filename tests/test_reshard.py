@@ -43,6 +43,8 @@ LAYOUT_CHANGES = [
     ("smet-tp", (0, 1, 1), (3, 4, 2), True),  # sparse layers: TP 1 -> 2 and DP 1 -> 2, ZeRO-0 -> 3, universal
     ("hybrid", (1, 4, 2), (1, 1, 1), False),  # W = A B + S: TP 2 x DP 2 -> 1, ZeRO-1
     ("hybrid", (1, 1, 1), (1, 4, 2), True),  # W = A B + S: 1 -> TP 2 x DP 2, ZeRO-1, universal
+    ("hybrid", (3, 4, 2), (1, 1, 1), True),  # W = A B + S: TP 2 x DP 2, ZeRO-3 -> 1, ZeRO-1, universal
+    ("hybrid", (1, 1, 1), (3, 4, 2), False),  # W = A B + S: 1, ZeRO-1 -> TP 2 x DP 2, ZeRO-3
 ]
 
 

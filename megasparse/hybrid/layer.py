@@ -4,7 +4,8 @@ The factors are a :class:`~megasparse.lowrank.layers.LowRankLinear`'s (A out x r
 of the dense initial weight, as Spectron starts them) and the residual a
 :class:`~megasparse.sparse.layer.SparseLinear`'s (nnz compact values at the positions its bitmask holds, SMET's
 storage), kept as the two child modules ``factors`` and ``residual`` so that Spectron, SMET's topology updates and
-the checkpoint tools see the parts they know. S starts at zero: the layer starts as the low-rank model does, and
+the checkpoint tools see the parts they know (and registered with ZeRO-3 as this module's external parameters,
+which it gathers for this module's passes). S starts at zero: the layer starts as the low-rank model does, and
 the residual learns what the factors cannot hold (SLTrain starts the other way round, B = 0 and S drawn like a
 dense weight on a 3 % support; a zero start adds nothing that A B and S could cancel).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import deepspeed
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,18 @@ from megasparse.lowrank.layers import Factorise, LowRankLinear, balanced_factors
 from megasparse.parallel.layers import WeightInit
 from megasparse.parallel.mappings import TensorParallel, all_reduce, copy_to_region, reduce_from_region
 from megasparse.sparse.layer import SparseLinear
+
+
+class _ZeroStart:
+    """The residual's initialisation: zeros, drawn from nothing (the random stream is left as it is, so the rest of
+    the model is drawn as in a low-rank model, the residual's support aside)."""
+
+    @staticmethod
+    def values(count: int, in_features: int) -> torch.Tensor:
+        return torch.zeros(count)
+
+
+ZERO_START = _ZeroStart()
 
 
 class _HybridFunction(torch.autograd.Function):
@@ -79,9 +93,10 @@ class HybridLinear(nn.Module):
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.split = parallel if tp.size > 1 else None  # how this layer's collectives run
         self.factors = LowRankLinear(in_features, out_features, rank, init, tp, parallel, factorise, pad)
-        self.residual = SparseLinear(in_features, out_features, density, init, tp, parallel, pad)
-        with torch.no_grad():
-            self.residual.values.zero_()
+        self.residual = SparseLinear(in_features, out_features, density, ZERO_START, tp, parallel, pad)
+        for param in (self.factors.A, self.factors.B, self.residual.values, self.residual.mask):
+            # used in this module's forward, not their own: ZeRO-3 gathers them for it (elsewhere a no-op record)
+            deepspeed.zero.register_external_parameter(self, param)
 
     def compose(self, a: torch.Tensor, b: torch.Tensor, values: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,13 +29,11 @@ def persistence_threshold(cfg: Config) -> int:
     own = cfg.deepspeed.get("zero_optimization", {}).get(_PERSISTENCE_KEY)
     if own is not None:
         return own
-    if cfg.model.layer == "sparse":
-        return round(PERSISTENCE_THRESHOLD * min(sparse_densities(cfg).values()))
-    if cfg.model.layer == "lowrank":
+    shares = list(sparse_densities(cfg).values()) if cfg.model.layer in ("sparse", "hybrid") else []
+    if cfg.model.layer in ("lowrank", "hybrid"):
         shapes, _ = projection_shapes(cfg.model)
-        shares = [rank / extent for role, rank in low_ranks(cfg).items() for extent in shapes[role]]
-        return round(PERSISTENCE_THRESHOLD * min(shares))
-    return PERSISTENCE_THRESHOLD
+        shares += [rank / extent for role, rank in low_ranks(cfg).items() for extent in shapes[role]]
+    return round(PERSISTENCE_THRESHOLD * min(shares)) if shares else PERSISTENCE_THRESHOLD
 
 
 def deepspeed_config(cfg: Config, data_parallel_size: int) -> dict[str, Any]:
