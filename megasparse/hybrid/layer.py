@@ -103,10 +103,6 @@ class HybridLinear(nn.Module):
         """This rank's shard of W = A B + S (``positions``: the residual's shard positions, where known)."""
         return self.residual.scatter(values, positions).addmm_(a, b)
 
-    def dense_weight(self) -> torch.Tensor:
-        """W as the forward pass uses it (this rank's shard of it under tensor parallelism)."""
-        return self.compose(self.factors.A, self.factors.B, self.residual.values)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split == "column":
             x = copy_to_region(x, self.tp)
