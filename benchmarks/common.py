@@ -91,6 +91,19 @@ def start_trainer(overrides: list[str]):
     return Trainer(cfg, start_processes(cfg), resume=None)
 
 
+def every_steps(trainer, every: int, measure: Callable[[int], None]) -> None:
+    """Call ``measure(step)`` after every ``every``-th optimizer step of ``trainer`` (step counted from 1)."""
+    train_step = trainer._train_step
+
+    def step_and_measure(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        if trainer.step % every == every - 1:  # trainer.step counts the steps done before this one
+            measure(trainer.step + 1)
+        return out
+
+    trainer._train_step = step_and_measure
+
+
 COLLECTIVES = ("reduce", "all_reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor",
                "allgather_fn", "all_gather", "broadcast", "inference_all_reduce", "all_to_all_single")
 INPUT_SECOND = ("reduce_scatter_fn", "reduce_scatter_tensor", "all_gather_into_tensor", "allgather_fn",
@@ -201,15 +214,15 @@ def run_summary(output_dir: Path) -> dict[str, Any]:
             "train_loss": [r["loss"] for r in read_metrics(output_dir)]}
 
 
-def summary_run(name: str, summary: dict[str, Any]):
-    """A run's summary (:func:`run_summary`, and a ``spectral_norm`` list of [step, largest sigma_A + sigma_B] where
-    one was measured) as ``megasparse plot`` reads a run, so that its :func:`megasparse.plot.plot_runs` draws the
-    benchmark's curves."""
+def summary_run(name: str, summary: dict[str, Any], log_interval: int = 1):
+    """A run's summary (:func:`run_summary` of a run logging every ``log_interval`` steps, and a ``spectral_norm``
+    list of [step, largest sigma_A + sigma_B] where one was measured) as ``megasparse plot`` reads a run, so that
+    its :func:`megasparse.plot.plot_runs` draws the benchmark's curves."""
     from megasparse.plot import Run
 
     norms = dict(summary.get("spectral_norm", []))
     train = [{"step": step, "loss": loss, **({"spectral_norm_max": norms[step]} if step in norms else {})}
-             for step, loss in enumerate(summary["train_loss"], 1)]
+             for step, loss in zip(range(log_interval, 10**9, log_interval), summary["train_loss"])]
     return Run(name, {"train": train, "eval": [{"step": step, "val_loss": loss} for step, loss in summary["val_loss"]]})
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 import activation_memory  # noqa: E402
 import compile_speed  # noqa: E402
 import host_syncs  # noqa: E402
+import hybrid_experiment  # noqa: E402
 import hybrid_forward  # noqa: E402
 import inference_speed  # noqa: E402
 import loader_memory  # noqa: E402
@@ -92,6 +93,7 @@ BENCHMARKS = {
     "prepare_speed": "prepare-data's tokens/s per worker, 1 against 2 workers, and a kill half-way's cost",
     "mixture_shares": "a data mixture's realised shares against its weights after 10^3, 10^5 and 10^6 samples",
     "hybrid_forward": "W = A B + S: composing W once per pass against adding the two branches' products",
+    "hybrid_experiment": "W = A B + S against dense, low-rank and sparse at one parameter budget on WikiText-2",
 }
 
 # For every committed result: the commit that last wrote it (`git log -1 -- benchmarks/results/NAME.json`) and,
@@ -110,6 +112,8 @@ MEASURED_AT = {
     "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
     "peers.json": ("3ce9594 (2026-12-01)", None),
     "prepare_speed.json": ("64973cc (2026-12-03)", None),
+    "hybrid_experiment.json": ("COMMIT (2026-12-03)", None),
+    "hybrid_experiment_posthoc.json": ("COMMIT (2026-12-03)", None),
     "hybrid_forward.json": ("bfd8cac (2026-12-03)", None),
     "mixture_shares.json": ("c4b3ce2 (2026-12-03)", None),
     "peers_before.json": ("3ce9594 (2026-12-01)", "3ce9594 without its single-rank ZeRO-0 change"),
@@ -224,6 +228,12 @@ TABLES: dict[str, Callable[[], str]] = {
     "prepare_speed": lambda: prepare_speed.table(result("prepare_speed")),
     "mixture_shares": lambda: mixture_shares.table(result("mixture_shares")["runs"]),
     "hybrid_forward": lambda: hybrid_forward.table(result("hybrid_forward")["results"]),
+    "hybrid_experiment": lambda: hybrid_experiment.table(result("hybrid_experiment")["runs"]),
+    "hybrid_experiment.cosine": lambda: hybrid_experiment.cosine_table(result("hybrid_experiment")["runs"]),
+    "hybrid_experiment_posthoc": lambda: hybrid_experiment.table(result("hybrid_experiment")["runs"]
+                                                                 + result("hybrid_experiment_posthoc")["runs"]),
+    "hybrid_experiment_posthoc.cosine": lambda: hybrid_experiment.cosine_table(
+        result("hybrid_experiment_posthoc")["runs"]),
     "loader_memory": lambda: loader_memory.table(result("loader_memory_before")["runs"] + result("loader_memory")["runs"]),
     **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
        for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled", "rigl_memory_mask",

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import benchmark_main, markdown_table, run_workers, short_run_overrides, start_trainer, wikitext_dataset, \
     write_report  # noqa: E402
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PRESET, VOCAB, SEQ_LEN = "llama-20m", 512, 64
 
 
@@ -84,7 +83,7 @@ def _worker(a: dict, result: Path) -> None:
     import deepspeed.comm as dist
 
     from megasparse.plan import plan
-    from megasparse.train.memory import KINDS, held_bytes
+    from megasparse.train.memory import KINDS, held_bytes, is_projection
 
     sparse = a["density"] is not None
     method = ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
@@ -95,7 +94,7 @@ def _worker(a: dict, result: Path) -> None:
                              "checkpoint.save_final=true", *method])
     trainer.run()
     rank, world = dist.get_rank(), dist.get_world_size()
-    projections = held_bytes(trainer.engine, trainer.optimizer, lambda name: name.split(".")[-2] in PROJECTIONS)
+    projections = held_bytes(trainer.engine, trainer.optimizer, is_projection)
     model = held_bytes(trainer.engine, trainer.optimizer)
     planned = plan(trainer.cfg, world, trainer.data.vocab_size)
     mine = {"checkpoint": _checkpoint_bytes(out / "checkpoints" / "step_00000002", rank, a["stage"]),
@@ -123,12 +122,14 @@ def _checkpoint_bytes(checkpoint: Path, rank: int, stage: int) -> int:
 def _live_bytes(module) -> dict[str, int]:
     """The weights this rank holds (the ZeRO-3 partition where there is one; SMET's masks among them), for the
     projections and for the whole model."""
+    from megasparse.train.memory import is_projection
+
     projections = model = 0
     for name, p in module.named_parameters():
         held = getattr(p, "ds_tensor", p)
         size = held.numel() * held.element_size()
         model += size
-        projections += size if name.split(".")[-2] in PROJECTIONS else 0
+        projections += size if is_projection(name) else 0
     return {"live_projections": projections, "live_model": model}
 
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (benchmark_main, markdown_table, run_summary, run_workers, save_figure,  # noqa: E402
+from common import (benchmark_main, every_steps, markdown_table, run_summary, run_workers, save_figure,  # noqa: E402
                     stability_overrides, start_trainer, wikitext_dataset, write_report)
 
 METHODS = ("dense-adamw", "lowrank-adamw", "lowrank-spectron")
@@ -80,20 +80,16 @@ def spectral_norm_probe(trainer) -> list[list[float]]:
 
     modules = list(trainer.engine.module.modules())
     norms: list[list[float]] = []
-    train_step = trainer._train_step
 
-    def step_and_measure(measure_norm: bool):
-        out = train_step(measure_norm)
-        if trainer.step % NORM_EVERY == NORM_EVERY - 1:  # trainer.step counts steps done before this one
-            with torch.no_grad():
-                spectral = [torch.linalg.matrix_norm(m.A.float(), 2) + torch.linalg.matrix_norm(m.B.float(), 2)
-                            for m in modules if isinstance(m, LowRankLinear)] or \
-                           [torch.linalg.matrix_norm(m.weight.float(), 2) for m in modules
-                            if isinstance(m, torch.nn.Linear) and m is not trainer.engine.module.lm_head]
-            norms.append([trainer.step + 1, max(spectral).item()])
-        return out
+    def measure(step: int) -> None:
+        with torch.no_grad():
+            spectral = [torch.linalg.matrix_norm(m.A.float(), 2) + torch.linalg.matrix_norm(m.B.float(), 2)
+                        for m in modules if isinstance(m, LowRankLinear)] or \
+                       [torch.linalg.matrix_norm(m.weight.float(), 2) for m in modules
+                        if isinstance(m, torch.nn.Linear) and m is not trainer.engine.module.lm_head]
+        norms.append([step, max(spectral).item()])
 
-    trainer._train_step = step_and_measure
+    every_steps(trainer, NORM_EVERY, measure)
     return norms
 
 

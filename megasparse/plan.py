@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from megasparse.config import PROJECTIONS, Config
+from megasparse.config import Config
 from megasparse.data.shards import INDEX_FILE, open_prepared
 from megasparse.errors import UserError
 from megasparse.model.factory import layer_factory
@@ -55,7 +55,7 @@ from megasparse.parallel.layers import padded_width
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
 from megasparse.train.deepspeed_config import persistence_threshold
-from megasparse.train.memory import KINDS
+from megasparse.train.memory import KINDS, is_projection
 
 STEP_KINDS = ("gradients", "activations", "transient")
 GB = 1e9
@@ -123,7 +123,7 @@ def plan(cfg: Config, gpus: int, vocab_size: int | None = None) -> Plan:
             held["moments"] = _moment_bytes(cfg, p) * n / divided
             held["cohorts"] = n / divided if _has_cohorts(cfg, p) else 0.0
             held["gradients"] = b * n / (d if stage >= 2 else 1) + (4 * n / d if stage > 0 else 0.0)
-        parts = ["model"] + (["projections"] if name.split(".")[-2] in PROJECTIONS else [])
+        parts = ["model"] + (["projections"] if is_projection(name) else [])
         for part in parts:
             for kind, value in held.items():
                 totals[part][kind] += value
@@ -133,13 +133,13 @@ def plan(cfg: Config, gpus: int, vocab_size: int | None = None) -> Plan:
 
 
 def _moment_bytes(cfg: Config, p: torch.nn.Parameter) -> int:
-    if cfg.optimizer.name == "spectron" and getattr(p, "lowrank_factor", False) and cfg.spectron.orthogonalise:
+    if cfg.optimizer.name in ("spectron", "hybrid") and getattr(p, "lowrank_factor", False) and cfg.spectron.orthogonalise:
         return 4
     return 8
 
 
 def _has_cohorts(cfg: Config, p: torch.nn.Parameter) -> bool:
-    return cfg.optimizer.name == "smet" and cfg.smet.mode == "smet" and getattr(p, "sparse_density", None) is not None
+    return cfg.optimizer.name in ("smet", "hybrid") and cfg.smet.mode == "smet" and getattr(p, "sparse_density", None) is not None
 
 
 def _activation_bytes(cfg: Config, vocab_size: int, b: int, t: int) -> float:
@@ -192,15 +192,12 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
 
 def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     """The plan of ``cfg`` and of its dense AdamW counterpart as a table, and whether each fits."""
-    if cfg.model.layer == "hybrid":
-        raise UserError("model.layer: plan does not count hybrid projections (W = A B + S) yet; plan the config "
-                        "with model.layer=lowrank and with model.layer=sparse and add the projections' bytes")
     vocab_size, source = vocabulary(cfg)
     ours, dense = plan(cfg, gpus, vocab_size), plan(dense_counterpart(cfg), gpus, vocab_size)
     t = cfg.parallel.tensor_parallel
     cfg = copy.deepcopy(cfg)
     cfg.fit_micro_batch(gpus // t)  # the micro-batch the run will take (checked by plan())
-    label = {"sparse": "SMET", "lowrank": "Spectron", "dense": "dense"}[cfg.model.layer]
+    label = {"sparse": "SMET", "lowrank": "Spectron", "hybrid": "hybrid", "dense": "dense"}[cfg.model.layer]
     lines = [f"{cfg.model.preset or 'model'} on {gpus} GPUs ({t} tensor-parallel x {gpus // t} data-parallel), "
              f"ZeRO-{cfg.parallel.zero_stage}, {cfg.training.precision}, micro-batch {cfg.training.micro_batch_size} x "
              f"{cfg.data.seq_len} tokens, activation checkpointing {cfg.training.activation_checkpointing}, "

@@ -250,6 +250,8 @@ def test_bad_bases(tmp_path, files, message):
     ("smet-paper-tiny", "smet-paper-llama-130m", {"optimizer.warmup_steps", "sparse.update_interval",
                                                    "smet.slot_warmup_steps"}),
     ("spectron-paper-tiny", "spectron-paper-60m", {"optimizer.warmup_steps"}),
+    ("hybrid-tiny", "hybrid-llama-130m", {"optimizer.warmup_steps", "sparse.update_interval", "smet.slot_warmup_steps",
+                                          "lowrank.rank"}),
 ])
 def test_the_cpu_variants_keep_the_paper_recipe(tiny, paper, resized):
     """Only sizes, lengths and places differ between a paper config and its CPU variant: every key of the

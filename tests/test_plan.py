@@ -14,6 +14,7 @@ from megasparse.train.metrics import read_metrics
 @pytest.mark.parametrize("method,zero,nproc,precision", [
     ("smet", 1, 2, "bf16"), ("smet", 2, 2, "fp32"), ("smet", 3, 2, "bf16"), ("smet", 0, 1, "fp32"),
     ("dense", 2, 2, "bf16"), ("dense", 3, 2, "fp32"), ("spectron", 1, 2, "bf16"), ("smet-tp", 1, 4, "fp32"),
+    ("hybrid", 1, 2, "fp32"), ("hybrid", 2, 2, "bf16"), ("hybrid", 3, 2, "fp32"),
 ])
 def test_the_plan_agrees_with_the_bytes_a_run_holds(runs, method, zero, nproc, precision):
     """Every kind of persistent bytes of the whole model within 5% of rank 0's live count."""

@@ -21,9 +21,16 @@ from collections.abc import Callable
 
 import torch
 
+from megasparse.config import PROJECTIONS
 from megasparse.optim.partitions import optimizer_fragments
 
 KINDS = ("weights", "masks", "masters", "moments", "cohorts")
+
+
+def is_projection(name: str) -> bool:
+    """Whether the parameter ``name`` belongs to an attention or MLP projection (a hybrid projection's parts
+    among them: ``...q_proj.factors.A``)."""
+    return any(part in PROJECTIONS for part in name.split(".")[:-1])
 
 
 def held_bytes(engine, client_optimizer: torch.optim.Optimizer,

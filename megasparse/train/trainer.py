@@ -27,7 +27,7 @@ from megasparse.checkpoint.durable import (RecordingCheckpointEngine, keep_recov
                                            verify_on_all_ranks)
 from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, tag_for
 from megasparse.checkpoint.weights import init_from_directory
-from megasparse.config import PROJECTIONS, Config, config_from_dict
+from megasparse.config import Config, config_from_dict
 from megasparse.data.corpus import describe_sources, trains_on_embedded_corpus
 from megasparse.data.loader import ORDER, evaluation_batches, inputs_and_targets, to_device
 from megasparse.data.mixture import Mixture
@@ -56,7 +56,7 @@ from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_sta
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.determinism import make_deterministic
 from megasparse.train.guard import StepDecision
-from megasparse.train.memory import held_bytes
+from megasparse.train.memory import held_bytes, is_projection
 from megasparse.train.metrics import MetricsLogger, WandbRun
 from megasparse.train.optim import build_optimizer
 from megasparse.train.preemption import StopRequests, clear_marker, write_marker
@@ -496,8 +496,7 @@ class Trainer:
     def _held_memory(self) -> dict[str, int]:
         """What rank 0 holds between steps, by kind (megasparse.train.memory), whole model and projections."""
         model = held_bytes(self.engine, self.optimizer)
-        projections = held_bytes(self.engine, self.optimizer,  # (a hybrid projection's are its parts')
-                                 lambda name: any(part in PROJECTIONS for part in name.split(".")[:-1]))
+        projections = held_bytes(self.engine, self.optimizer, is_projection)
         return {**{f"{kind}_bytes": value for kind, value in model.items()},
                 **{f"projections_{kind}_bytes": value for kind, value in projections.items()}}
 
