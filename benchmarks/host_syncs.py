@@ -24,6 +24,7 @@ from common import (REPO, HostSyncs, benchmark_main, markdown_table, run_workers
 PACKAGES = ("megasparse", "deepspeed", "torch.optim", "torch")
 METHODS = {"dense": [], "smet": ["model.layer=sparse", "optimizer.name=smet", "sparse.update_interval=3"],
            "spectron": ["model.layer=lowrank", "optimizer.name=spectron"]}
+METHODS["smet-offsets"] = METHODS["smet"] + ["sparse.density=0.1"]  # its masks stored as offsets (sparse/mask.py)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -124,8 +124,6 @@ class CohortProbe:
     def __init__(self, trainer, start: int) -> None:
         import torch
 
-        from megasparse.sparse.mask import unpack
-
         self.trainer, self.start = trainer, start
         self.layers = trainer.topology.layers
         self.birth = [torch.zeros(layer.in_features * layer.out_features) for layer in self.layers]  # per position
@@ -133,14 +131,11 @@ class CohortProbe:
         self.young: dict[int, list[float]] = {}  # cohort birth step -> ratio at ages 1, 2, ...
         update = trainer.topology.update
 
-        def active(layer):
-            return unpack(layer.mask, layer.in_features * layer.out_features)
-
         def tracked_update(step: int):
-            before = [active(layer) for layer in self.layers]
+            before = [layer.active() for layer in self.layers]
             summary = update(step)
             for layer, old, birth in zip(self.layers, before, self.birth):
-                birth[active(layer) & ~old] = step
+                birth[layer.active() & ~old] = step
             return summary
 
         trainer.topology.update = tracked_update

@@ -6,8 +6,9 @@ fp32 4). For each parameter of n elements on a rank:
 
 - weights: n b at ZeRO-0/1/2; at ZeRO-3 ceil(n / D) b, plus n b when n is at most the persistence threshold
   (such parameters stay gathered: :func:`megasparse.train.deepspeed_config.persistence_threshold`);
-- masks (SMET's packed bitmask, n = ceil(out in / 8) bytes, whole on every tensor-parallel rank): the same
-  rule with b = 1;
+- masks (SMET's, whole on every tensor-parallel rank: n = ceil(out in / 8) bytes as bits, or about
+  (5 nnz + out in / 16) / 8 as offsets below a density of 3/16, :mod:`megasparse.sparse.mask`): the same rule
+  with b = 1;
 - masters: 4 n / D at ZeRO-1/2/3 (none at ZeRO-0: the fp32 module weights are the optimizer's);
 - moments: per element 8 (AdamW, SMET, Spectron without orthogonalisation) or 4 (Spectron's momentum), / D
   at ZeRO-1/2/3;
@@ -184,9 +185,11 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
     staged = copy.deepcopy(cfg)
     staged.parallel.zero_stage = 3
     zero3 = projections(plan(staged, gpus, vocab_size)) / projections(plan(dense_counterpart(staged), gpus, vocab_size))
-    limit = "d + 1/16" if cfg.training.precision == "bf16" else "d + 1/32"
-    return (f"masks: whole on every rank at ZeRO-{cfg.parallel.zero_stage} (1/8 byte per weight of W, "
-            f"{ours.model['masks'] / GB:.3f} GB), so the projections' ratio tends to {limit} as ranks are added: "
+    whole = dense.projections["weights"]  # what stays whole as ranks are added: the module's weights and masks
+    per_weight = ours.projections["masks"] / whole * (2 if cfg.training.precision == "bf16" else 4)
+    limit = (ours.projections["weights"] + ours.projections["masks"]) / whole
+    return (f"masks: whole on every rank at ZeRO-{cfg.parallel.zero_stage} ({per_weight:.3f} byte per weight of W, "
+            f"{ours.model['masks'] / GB:.3f} GB), so the projections' ratio tends to {limit:.3f} as ranks are added: "
             f"{projections(ours) / projections(dense):.3f} here; ZeRO-3 partitions them with the values: {zero3:.3f}")
 
 

@@ -42,14 +42,17 @@ METHODS: dict[str, dict[str, dict[str, Any]]] = {
     "smet": {"model": {"layer": "sparse"}, "optimizer": {"name": "smet", "lr": 1e-3, "min_lr": 3e-5},
              "sparse": {"density": 0.3, "update_interval": 2}, "smet": {"slot_warmup_steps": 3}},
 }
-METHODS["smet-rigl"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "regrow": "gradient", "init": "erk"}}
+# RigL at ERK density 0.15: attention's masks (density 0.19) are stored as bits, the MLP's (0.13) as offsets
+METHODS["smet-rigl"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "regrow": "gradient", "init": "erk",
+                                                      "density": 0.15}}
 METHODS["naive"] = {**METHODS["smet"], "smet": {"mode": "naive"}}
 # Under tensor parallelism each rank stores nnz / T slots: density 0.25 gives every llama-tiny projection an even nnz.
 METHODS["smet-tp"] = {**METHODS["smet"], "sparse": {**METHODS["smet"]["sparse"], "density": 0.25}}
 METHODS["smet-tp-rigl"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"]["sparse"], "regrow": "gradient"}}
-# ERK's per-layer counts rounded to multiples of 8, which 2 tensor-parallel ranks share
+# ERK's per-layer counts rounded to multiples of 8, which 2 tensor-parallel ranks share; at density 0.15 attention's
+# masks (0.19) are bits and the MLP's (0.13) offsets
 METHODS["smet-tp-erk"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"]["sparse"], "init": "erk",
-                                                           "active_multiple": 8}}
+                                                           "active_multiple": 8, "density": 0.15}}
 # Spectron on factorised projections (rank 0.25 x in_features) with AdamW on the rest.
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).

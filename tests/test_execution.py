@@ -15,7 +15,6 @@ from megasparse.model.execution import checkpoint_blocks, compile_blocks
 from megasparse.model.factory import layer_factory
 from megasparse.model.llama import Llama
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import pack
 from megasparse.sparse.topology import TopologyUpdater
 
 LAYERS = {"dense": "adamw", "sparse": "smet", "lowrank": "spectron"}
@@ -153,7 +152,7 @@ def test_compiled_blocks_match_eager_and_neither_rigl_nor_a_topology_update_reco
                 numel = layer.out_features * layer.in_features
                 active = torch.zeros(numel, dtype=torch.bool)
                 active[torch.randperm(numel, generator=torch.Generator().manual_seed(2))[:layer.nnz]] = True
-                layer.mask.copy_(pack(active))
+                layer.set_active(active)
     same_steps()
     assert counters["stats"]["unique_graphs"] == graphs
     assert not counters["graph_break"]  # RigL's hooks were never traced (dynamo breaks the graph at them)

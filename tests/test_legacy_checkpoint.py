@@ -1,7 +1,10 @@
-"""Checkpoints written before sparse layers stored a bitmask still resume: their int32 positions, in the slot
-order a topology update left them (not sorted), become today's mask and position order, values and optimizer
-state with them (megasparse/checkpoint/legacy.py). The old form is made here from a current checkpoint by
-the inverse transformation, with a random slot order."""
+"""Checkpoints written before sparse layers stored their masks as today still resume (megasparse/checkpoint/legacy.py):
+
+- int32 positions, in the slot order a topology update left them (not sorted), become today's mask and position
+  order, values and optimizer state with them;
+- a bitmask at every density becomes today's code (offsets below a density of about 3/16).
+
+The old forms are made here from a current checkpoint by the inverse transformations, with a random slot order."""
 from __future__ import annotations
 
 import json
@@ -16,7 +19,7 @@ from megasparse.checkpoint.durable import write_manifest
 from megasparse.checkpoint.files import META_FILE, open_checkpoint, reference_model
 from megasparse.optim.groups import parameter_groups
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import active_positions
+from megasparse.sparse.mask import active_positions, pack_bits, unpack, uses_offsets
 
 
 def _legacy_layers(tag, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,16 +37,31 @@ def _legacy_layers(tag, weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return orders
 
 
-def _as_written_before(tag) -> None:
+def _bitmask_layers(tag, weights: dict[str, torch.Tensor]) -> int:
+    """``weights``' masks as bits, as they were stored before offsets; how many were offsets."""
+    meta = open_checkpoint(tag).meta
+    offsets = 0
+    for prefix, layer in reference_model(open_checkpoint(tag).config, meta.vocab_size).named_modules():
+        if isinstance(layer, SparseLinear):
+            numel = layer.in_features * layer.out_features
+            offsets += uses_offsets(numel, layer.nnz)
+            weights[f"{prefix}.mask"] = pack_bits(unpack(weights[f"{prefix}.mask"], numel, layer.nnz))
+    return offsets
+
+
+def _as_written_before(tag, storage: str | None = None) -> None:
     meta = json.loads((tag / META_FILE).read_text())
-    del meta["sparse_storage"]
+    if storage:
+        meta["sparse_storage"] = storage
+    else:
+        del meta["sparse_storage"]
     (tag / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (tag / "manifest.json").unlink()
     write_manifest(tag)
 
 
-def _resume_matches(dataset, tmp_path, stayed, source, zero: int, nproc: int) -> None:
-    cfg = tiny_config(dataset, tmp_path / "out", "smet", parallel={"zero_stage": zero},
+def _resume_matches(dataset, tmp_path, stayed, source, zero: int, nproc: int, method: str = "smet") -> None:
+    cfg = tiny_config(dataset, tmp_path / "out", method, parallel={"zero_stage": zero},
                       training={"micro_batch_size": 8 // nproc})
     megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(source), nproc=nproc).check()
     assert train_losses(tmp_path / "out") == pytest.approx(train_losses(stayed)[4:], rel=1e-6)
@@ -87,3 +105,27 @@ def test_an_old_universal_checkpoint_resumes_in_another_layout(runs, dataset, tm
     save_file(optimizer, tag / "optimizer.safetensors")
     _as_written_before(tag)
     _resume_matches(dataset, tmp_path, stayed, tag, zero=1, nproc=2)
+
+
+@pytest.mark.parametrize("form", ["deepspeed", "universal"])
+def test_a_checkpoint_with_bitmasks_resumes_with_offsets(runs, dataset, tmp_path, form):
+    """Masks stored as bits at every density (``sparse_storage: bitmask``), at ERK density 0.15, where the MLP's
+    masks are now offsets: from ZeRO-2's own files into the same layout, and from a universal checkpoint into
+    ZeRO-3 (DeepSpeed's loader would refuse both for the masks' shapes)."""
+    stayed = runs(2, 2, 1, method="smet-rigl")
+    step4 = stayed / "checkpoints" / "step_00000004"
+    if form == "deepspeed":
+        tag = tmp_path / "old" / step4.name
+        shutil.copytree(step4, tag)
+        path = tag / "mp_rank_00_model_states.pt"
+        states = torch.load(path, weights_only=False)
+        assert _bitmask_layers(tag, states["module"]) == 2 * 3  # llama-tiny: 2 blocks' gate, up and down
+        torch.save(states, path)
+    else:
+        megasparse_here("convert", "reshard", str(step4), "--out", str(tmp_path / "universal")).check()
+        tag = tmp_path / "universal" / step4.name
+        weights = load_file(tag / "weights.safetensors")
+        assert _bitmask_layers(tag, weights) == 2 * 3
+        save_file(weights, tag / "weights.safetensors")
+    _as_written_before(tag, "bitmask")
+    _resume_matches(dataset, tmp_path, stayed, tag, zero=2 if form == "deepspeed" else 3, nproc=2, method="smet-rigl")

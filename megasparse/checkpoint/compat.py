@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megasparse.checkpoint.files import CheckpointMeta
-from megasparse.checkpoint.legacy import BITMASK, PADDED
+from megasparse.checkpoint.legacy import CODED_MASKS, PADDED
 from megasparse.config import Config, config_from_dict
 from megasparse.errors import UserError
 from megasparse.model.factory import low_ranks
@@ -19,10 +19,10 @@ from megasparse.parallel.layers import padded_width
 
 def same_layout(meta: CheckpointMeta, cfg: Config, data_parallel_size: int) -> bool:
     """Whether DeepSpeed's own loader can restore the checkpoint into this run's layout (not one whose sparse
-    layers store positions, which is upgraded through the whole state: legacy.py)."""
+    layers store their masks as before, which is upgraded through the whole state: legacy.py)."""
     saved_stage, stage = config_from_dict(meta.config).parallel.zero_stage, cfg.parallel.zero_stage
     partitioned = {0: "module", 1: "flat", 2: "flat", 3: "per-parameter"}  # how the optimizer state is cut
-    current = cfg.model.layer != "sparse" or meta.sparse_storage == BITMASK
+    current = cfg.model.layer not in ("sparse", "hybrid") or meta.sparse_storage == CODED_MASKS
     return (current and meta.format == "deepspeed" and meta.tensor_parallel_size == cfg.parallel.tensor_parallel
             and partitioned[saved_stage] == partitioned[stage]
             and (stage == 0 or meta.data_parallel_size == data_parallel_size))

@@ -63,7 +63,7 @@ class CheckpointMeta:
     data_parallel_size: int
     tensor_parallel_size: int = 1
     format: str = "deepspeed"  # or "universal" (megasparse convert reshard)
-    sparse_storage: str = "index"  # sparse layers' positions: "bitmask", or "index" (before; see legacy.py)
+    sparse_storage: str = "index"  # sparse layers' masks: "bits-or-offsets", or "bitmask" or "index" (before; legacy.py)
     mlp_storage: str = "real"  # the MLP's hidden width: "padded" to split and align (parallel/layers.py), or "real" (before)
     # a data mixture's sequences read from each source and its weight at the last step (megasparse inspect)
     mixture: dict[str, dict[str, float]] = field(default_factory=dict)

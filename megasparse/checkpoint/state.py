@@ -44,7 +44,7 @@ from megasparse.checkpoint.durable import write_manifest
 from megasparse.checkpoint.files import (META_FILE, OPTIMIZER_FILE, TOKENIZER_FILE, UNIVERSAL, VALUES_FILE,
                                          WEIGHTS_FILE, Checkpoint, CheckpointMeta, load_file, model_file,
                                          optimizer_file, reference_model, split_dimensions)
-from megasparse.checkpoint.legacy import BITMASK, index_name, upgrade_indices
+from megasparse.checkpoint.legacy import CODED_MASKS, index_name, stored_mask_shape, upgrade_masks
 from megasparse.errors import UserError
 from megasparse.optim.groups import parameter_groups
 from megasparse.optim.partitions import full_shape, optimizer_fragments
@@ -123,6 +123,10 @@ def _read_rank(checkpoint: Checkpoint, t: int, model: nn.Module):
     module = model.state_dict(keep_vars=True)
     names = {id(tensor): name for name, tensor in reversed(module.items())}  # a tied weight: its first name
     shapes = {name: tensor.shape for name, tensor in module.items()}
+    for prefix, layer in model.named_modules():  # masks as an older checkpoint stored them (legacy.py)
+        if isinstance(layer, SparseLinear) and f"{prefix}.mask" in shapes:
+            shapes[f"{prefix}.mask"] = stored_mask_shape(checkpoint.meta.sparse_storage,
+                                                         layer.in_features * layer.out_features, shapes[f"{prefix}.mask"])
     for name in [name for name in module if index_name(name) in weights]:  # positions, written before masks
         old = index_name(name)
         del shapes[name], module[name]
@@ -150,11 +154,12 @@ def _zero3_frozen(checkpoint: Checkpoint, t: int, shapes: dict[str, torch.Size])
 
 def _upgrade(meta: CheckpointMeta, weights: dict[str, torch.Tensor], optimizer: dict[str, dict[str, Any]],
              model: nn.Module) -> CheckpointMeta:
-    """A state whose sparse layers stored positions as today's (legacy.py), in place; returns ``meta`` saying so."""
+    """A state whose sparse layers stored their masks as before as today's (legacy.py), in place; returns ``meta``
+    saying so."""
     numels = {prefix: m.in_features * m.out_features for prefix, m in model.named_modules()
               if isinstance(m, SparseLinear)}
-    upgrade_indices(weights, optimizer, numels)
-    return dataclasses.replace(meta, sparse_storage=BITMASK)
+    upgrade_masks(meta.sparse_storage, weights, optimizer, numels)
+    return dataclasses.replace(meta, sparse_storage=CODED_MASKS)
 
 
 def _zero0_optimizer_state(saved: dict | None, checkpoint: Checkpoint, model: nn.Module,

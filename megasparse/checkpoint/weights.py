@@ -42,7 +42,7 @@ from megasparse.hybrid.layer import HybridLinear
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import pack, unpack
+from megasparse.sparse.mask import pack, pack_bits, unpack, unpack_bits
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.yaml"
 
@@ -54,12 +54,12 @@ def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse:
     out = dict(weights)
     for prefix, module in model.named_modules():
         if isinstance(module, SparseLinear):
-            values, packed = out.pop(f"{prefix}.values"), out.pop(f"{prefix}.mask")
-            if sparse == "compact":  # the training form itself
-                out[f"{prefix}.values"], out[f"{prefix}.bitmask"] = values, packed
+            values, code = out.pop(f"{prefix}.values"), out.pop(f"{prefix}.mask")
+            shape = (module.out_features, module.in_features)
+            mask = unpack(code, module.out_features * module.in_features, values.numel()).view(shape)
+            if sparse == "compact":  # the training form, its mask as bits
+                out[f"{prefix}.values"], out[f"{prefix}.bitmask"] = values, pack_bits(mask)
             else:
-                shape = (module.out_features, module.in_features)
-                mask = unpack(packed, module.out_features * module.in_features).view(shape)
                 dense = values.new_zeros(shape).masked_scatter_(mask, values)
                 out[f"{prefix}.weight"] = dense
                 if sparse == "masked":
@@ -86,7 +86,7 @@ def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source:
         if isinstance(module, SparseLinear):
             numel = module.in_features * module.out_features
             if f"{prefix}.bitmask" in out:
-                mask = unpack(out.pop(f"{prefix}.bitmask"), numel)
+                mask = unpack_bits(out.pop(f"{prefix}.bitmask"), numel)
                 values = out.pop(f"{prefix}.values")
             elif f"{prefix}.mask" in out:
                 mask = out.pop(f"{prefix}.mask").reshape(-1)
@@ -100,7 +100,7 @@ def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source:
             if values.numel() != module.nnz:
                 raise UserError(f"{source}: '{prefix}' has {values.numel()} active weights, this model's density "
                                 f"gives it {module.nnz}")
-            out[f"{prefix}.values"], out[f"{prefix}.mask"] = values, pack(mask)
+            out[f"{prefix}.values"], out[f"{prefix}.mask"] = values, pack(mask, values.numel())
         elif isinstance(module, LowRankLinear) and f"{prefix}.A" not in out:
             raise UserError(f"{source} has no factors for the low-rank layer '{prefix}' (write it with --lowrank factors)")
     if model.lm_head.weight is model.embed_tokens.weight:

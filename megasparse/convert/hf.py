@@ -165,7 +165,8 @@ def convert_projections(weights: dict[str, torch.Tensor], cfg: Config, vocab_siz
             if isinstance(module, SparseLinear):
                 keep = dense.reshape(-1).abs().topk(module.nnz, sorted=False).indices.sort().values
                 out[f"{prefix}.values"] = dense.reshape(-1)[keep]
-                out[f"{prefix}.mask"] = pack(torch.zeros(dense.numel(), dtype=torch.bool).index_fill_(0, keep, True))
+                out[f"{prefix}.mask"] = pack(torch.zeros(dense.numel(), dtype=torch.bool).index_fill_(0, keep, True),
+                                              module.nnz)
             else:
                 out[f"{prefix}.A"], out[f"{prefix}.B"] = balanced_factors(dense, module.rank)
     if cfg.model.tie_embeddings:

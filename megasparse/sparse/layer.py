@@ -1,8 +1,9 @@
 """``SparseLinear``: a projection whose only trainable parameter is its active weights.
 
 The layer stores nnz = round(d * out * in) weights as a compact vector ``values`` and which
-positions of the out x in matrix are active as a bitmask (``mask``, :mod:`megasparse.sparse.mask`:
-one bit per position, ceil(out in / 8) bytes whatever d). Slot s holds the weight at the s-th
+positions of the out x in matrix are active as ``mask`` (:mod:`megasparse.sparse.mask`: a bitmask,
+one bit per position, or below d of about 3/16 the positions' Elias-Fano code, about 5 d + 1/16 bits per
+position). Slot s holds the weight at the s-th
 active position in row-major order. The forward pass lists the active positions p_s on the device
 (their count is known, so no host synchronisation), scatters W[p_s] = values[s] (zero elsewhere)
 and computes y = x W^T; the backward pass scatters W again, computes dL/dx = g W and
@@ -11,8 +12,8 @@ layer's dense W and dL/dW exist at a time, inside its own forward or backward, l
 activation. At RigL's update steps the backward also hands dL/dW to ``dense_grad_hook``
 (:class:`megasparse.sparse.topology.GradientRegrowth`), which keeps what the regrowth decision needs
 of it. Everything that persists is proportional to nnz (the values, DeepSpeed's flat buffers and
-ZeRO partitions, gradients, optimizer state, reduced gradient bytes), except the mask's 1/8 byte per
-position. The mask is a parameter that does not train (``requires_grad=False``, uint8), so ZeRO-3
+ZeRO partitions, gradients, optimizer state, reduced gradient bytes), except the mask's at most 1/8 byte
+per position. The mask is a parameter that does not train (``requires_grad=False``, uint8), so ZeRO-3
 partitions it with the values and gathers it with them for the forward and backward passes; below
 ZeRO-3 every rank holds it whole, as it holds the module's values. A topology update changes which
 bits are set and moves every slot's weight and optimizer state to its new place in the order
@@ -42,7 +43,7 @@ from torch import nn
 
 from megasparse.parallel.layers import WeightInit, padded_width, sharded_parameter
 from megasparse.parallel.mappings import TensorParallel, all_reduce, copy_to_region, gather_along, reduce_from_region
-from megasparse.sparse.mask import active_positions, pack
+from megasparse.sparse.mask import active_positions, pack, unpack
 
 
 class _SparseLinearFunction(torch.autograd.Function):
@@ -85,7 +86,7 @@ class SparseLinear(nn.Module):
         self.nnz = max(1, round(density * numel))  # active weights of the whole layer
         active = torch.zeros(numel, dtype=torch.bool)
         active[torch.randperm(numel)[:self.nnz]] = True
-        self.mask = nn.Parameter(pack(active), requires_grad=False)
+        self.mask = nn.Parameter(pack(active, self.nnz), requires_grad=False)
         self.values = sharded_parameter(init.values(self.nnz, in_features), tp, dim=0 if self.parallel else None)
         self.values.sparse_density = density  # its optimizer group (megasparse.optim.groups)
         # called in backward with dL/dW of this rank's part of W, which it may change (RigL's update steps)
@@ -128,6 +129,14 @@ class SparseLinear(nn.Module):
     def positions(self) -> torch.Tensor:
         """The flat positions in W of the layer's slots, ascending (int64). No host synchronisation."""
         return active_positions(self.mask, self.in_features * self.out_features, self.nnz)
+
+    def active(self) -> torch.Tensor:
+        """The mask as a flat boolean tensor over the positions of W (one byte each)."""
+        return unpack(self.mask, self.in_features * self.out_features, self.nnz)
+
+    def set_active(self, active: torch.Tensor) -> None:
+        """Store the flat boolean ``active`` (nnz positions set) as the mask, in place."""
+        self.mask.copy_(pack(active, self.nnz))
 
     def shard_positions(self) -> torch.Tensor:
         """Per slot of the whole layer, its flat position in this rank's shard of W, or the shard's size (a

@@ -57,7 +57,7 @@ from megasparse.errors import UserError
 from megasparse.faults import skew_mask
 from megasparse.optim.partitions import Fragment
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import mask_checksum, pack, unpack
+from megasparse.sparse.mask import mask_checksum
 from megasparse.sparse.optimizer import SMETAdam
 
 
@@ -157,7 +157,7 @@ class GradientRegrowth:
         if dist.is_initialized():  # the sum over data-parallel ranks
             dist.all_reduce(total, group=self.dp_group)
         layer = self.layer
-        active = unpack(layer.mask, layer.in_features * layer.out_features)
+        active = layer.active()
         self.positions = gradient_regrowth(layer.whole_matrix(total), active, self.count)
 
 
@@ -216,13 +216,13 @@ class TopologyUpdater:
                     deepspeed.zero.GatheredParameters([layer.mask], modifier_rank=0):
                 values = layer.whole(layer.values)
                 positions = layer.positions()
-                active = unpack(layer.mask, layer.in_features * layer.out_features)
+                active = layer.active()
                 pruned = pruned_slots(values, count)
                 regrown = self._regrown_positions(number, step, count, active)
                 source, landing = slot_sources(positions, pruned, regrown)
                 active[positions[pruned]] = False
                 active[regrown] = True
-                layer.mask.copy_(pack(active))
+                layer.set_active(active)
                 mine = slice(layer.first_slot, layer.first_slot + layer.stored_slots)
                 layer.values.copy_(torch.where(source[mine] >= 0, values[source[mine].clamp(min=0)], 0))
                 if number == 0:

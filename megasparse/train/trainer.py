@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 
 from megasparse.checkpoint.compat import check_compatible, same_layout
-from megasparse.checkpoint.legacy import BITMASK, PADDED
+from megasparse.checkpoint.legacy import CODED_MASKS, PADDED
 from megasparse.checkpoint.durable import (RecordingCheckpointEngine, keep_recovery_script_errors, remove_partials,
                                            verify_on_all_ranks)
 from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, tag_for
@@ -508,7 +508,7 @@ class Trainer:
             tokens=self.step * t.global_batch_size * self.cfg.data.seq_len, config=self.cfg.to_dict(),
             vocab_size=self.data.vocab_size, tokenizer_sha256=self.data.tokenizer_sha256,
             world_size=dist.get_world_size(), data_parallel_size=self.dp_size,
-            tensor_parallel_size=self.parallel.tensor_parallel_size, sparse_storage=BITMASK, mlp_storage=PADDED,
+            tensor_parallel_size=self.parallel.tensor_parallel_size, sparse_storage=CODED_MASKS, mlp_storage=PADDED,
             mixture=self._mixture_record(),
         )
         save_checkpoint(self.engine, self.cfg, meta,
