@@ -74,7 +74,7 @@ def pack(active: torch.Tensor, count: int) -> torch.Tensor:
     positions = torch.nonzero_static(active.reshape(-1), size=count).squeeze(1)
     low = torch.nn.functional.pad((positions % BLOCK).to(torch.uint8), (0, count % 2)).view(-1, 2)
     blocks = torch.zeros(count + _blocks(numel), dtype=torch.uint8, device=active.device)
-    blocks[positions // BLOCK + torch.arange(count, device=active.device)] = 1
+    blocks[positions.div_(BLOCK, rounding_mode="floor").add_(torch.arange(count, device=active.device))] = 1  # in place
     return torch.cat([low[:, 0] << 4 | low[:, 1], pack_bits(blocks)])
 
 
@@ -83,9 +83,10 @@ def active_positions(mask: torch.Tensor, numel: int, count: int) -> torch.Tensor
     if not uses_offsets(numel, count):  # nonzero reads the bits as they are, without a boolean copy
         return torch.nonzero_static(_bits(mask, numel), size=count, fill_value=numel).squeeze(1)
     nibbles = -(-count // 2)
+    positions = torch.nonzero_static(_bits(mask[nibbles:], count + _blocks(numel)), size=count).squeeze(1)
+    positions.sub_(torch.arange(count, device=mask.device)).mul_(BLOCK)  # in place: 16 bytes per slot at most
     low = torch.stack([mask[:nibbles] >> 4, mask[:nibbles] & 15], 1).view(-1)[:count]
-    ones = torch.nonzero_static(_bits(mask[nibbles:], count + _blocks(numel)), size=count).squeeze(1)
-    return (ones - torch.arange(count, device=mask.device)) * BLOCK + low
+    return positions.add_(low)
 
 
 def unpack(mask: torch.Tensor, numel: int, count: int) -> torch.Tensor:
