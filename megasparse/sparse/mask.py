@@ -68,9 +68,12 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def pack(active: torch.Tensor, count: int) -> torch.Tensor:
     """The mask of a boolean tensor (read flat) with ``count`` positions set, in its code (see above)."""
+    return pack_offsets(active, count) if uses_offsets(active.numel(), count) else pack_bits(active)
+
+
+def pack_offsets(active: torch.Tensor, count: int) -> torch.Tensor:
+    """The offsets code of a boolean tensor (read flat) with ``count`` positions set."""
     numel = active.numel()
-    if not uses_offsets(numel, count):
-        return pack_bits(active)
     positions = torch.nonzero_static(active.reshape(-1), size=count).squeeze(1)
     low = torch.nn.functional.pad((positions % BLOCK).to(torch.uint8), (0, count % 2)).view(-1, 2)
     blocks = torch.zeros(count + _blocks(numel), dtype=torch.uint8, device=active.device)
@@ -80,12 +83,20 @@ def pack(active: torch.Tensor, count: int) -> torch.Tensor:
 
 def active_positions(mask: torch.Tensor, numel: int, count: int) -> torch.Tensor:
     """The flat positions of the ``count`` active weights, ascending (int64); without a host synchronisation."""
-    if not uses_offsets(numel, count):  # nonzero reads the bits as they are, without a boolean copy
-        return torch.nonzero_static(_bits(mask, numel), size=count, fill_value=numel).squeeze(1)
+    return (offset_positions if uses_offsets(numel, count) else bit_positions)(mask, numel, count)
+
+
+def bit_positions(packed: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """:func:`active_positions` of packed bits (nonzero reads them as they are, without a boolean copy)."""
+    return torch.nonzero_static(_bits(packed, numel), size=count, fill_value=numel).squeeze(1)
+
+
+def offset_positions(code: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """:func:`active_positions` of the offsets code."""
     nibbles = -(-count // 2)
-    positions = torch.nonzero_static(_bits(mask[nibbles:], count + _blocks(numel)), size=count).squeeze(1)
-    positions.sub_(torch.arange(count, device=mask.device)).mul_(BLOCK)  # in place: 16 bytes per slot at most
-    low = torch.stack([mask[:nibbles] >> 4, mask[:nibbles] & 15], 1).view(-1)[:count]
+    positions = torch.nonzero_static(_bits(code[nibbles:], count + _blocks(numel)), size=count).squeeze(1)
+    positions.sub_(torch.arange(count, device=code.device)).mul_(BLOCK)  # in place: 16 bytes per slot at most
+    low = torch.stack([code[:nibbles] >> 4, code[:nibbles] & 15], 1).view(-1)[:count]
     return positions.add_(low)
 
 
@@ -94,7 +105,7 @@ def unpack(mask: torch.Tensor, numel: int, count: int) -> torch.Tensor:
     if not uses_offsets(numel, count):
         return unpack_bits(mask, numel)
     active = torch.zeros(numel, dtype=torch.bool, device=mask.device)
-    return active.index_fill_(0, active_positions(mask, numel, count), True)
+    return active.index_fill_(0, offset_positions(mask, numel, count), True)
 
 
 def mask_checksum(packed: torch.Tensor) -> torch.Tensor:
