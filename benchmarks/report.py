@@ -39,6 +39,7 @@ import inference_speed  # noqa: E402
 import loader_memory  # noqa: E402
 import lowrank_init  # noqa: E402
 import lowrank_speed  # noqa: E402
+import mask_codes  # noqa: E402
 import mixture_shares  # noqa: E402
 import model_build  # noqa: E402
 import peers  # noqa: E402
@@ -88,6 +89,7 @@ BENCHMARKS = {
     "lowrank_init": "building a low-rank model: every rank's SVDs against shared ones",
     "rigl_memory": "peak memory of RigL's update step against an ordinary step",
     "sparse_inference": "a sparse block's products in CSR against dense, for inference",
+    "mask_codes": "a sparse layer's mask as bits or offsets: bytes, and the time to list and store its positions",
     "inference_speed": "a factored export's prefill and decode speed against the dense export",
     "loader_memory": "the loader's host memory and time to the first batch against the corpus size",
     "prepare_speed": "prepare-data's tokens/s per worker, 1 against 2 workers, and a kill half-way's cost",
@@ -126,12 +128,16 @@ MEASURED_AT = {
     "rigl_memory_choice.json": ("56c68e0 (2026-12-02)", "c3831c7"),
     "rigl_memory_bf16.json": ("56c68e0 (2026-12-02)", "c3831c7"),
     "rigl_memory_last.json": ("56c68e0 (2026-12-02)", "928bafd"),
+    "rigl_memory_bits_d01.json": ("COMMIT", "d11a021"),
+    "rigl_memory_offsets.json": ("COMMIT", "e751660"),
+    "rigl_memory_offsets_set.json": ("COMMIT", "e751660"),
     "smet_cold_start.json": ("cb900ad (2026-12-01)", None),
     "smet_cold_start_pilot.json": ("219d64a (2026-12-01)", None),
     "smet_memory.json": ("3d143b7 (2026-11-29)", None),
-    "smet_scaling.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
+    "smet_scaling.json": ("COMMIT", "9e5dd93"),
+    "smet_scaling_bitmask.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
     "smet_scaling_before.json": ("1e2431b (2026-12-02)", "6ea818d"),
-    "smet_plan.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
+    "smet_plan.json": ("COMMIT", "9e5dd93"),
     "model_build.json": ("56c68e0 (2026-12-02)", "3a9b664"),
     "smet_speed.json": ("93bd49d (2026-11-29)", None),
     "smet_speed_index.json": ("94191a7 (2026-12-02)", "c248d0c"),
@@ -141,9 +147,14 @@ MEASURED_AT = {
     "spectron_step_work_before.json": ("1df273a (2026-12-02)", "a0fd10a"),
     "spectron_ns_precision.json": ("276e7a5 (2026-12-02)", None),
     "smet_speed_mask_bf16.json": ("c848523 (2026-12-02)", "12ac906"),
+    "smet_speed_bits_d01_bf16.json": ("COMMIT", "d11a021"),
+    "smet_speed_offsets_d01_bf16.json": ("COMMIT", "e751660"),
+    "smet_speed_offsets_d01_bf16_2.json": ("COMMIT", "e751660"),
+    "smet_speed_bits_d01_bf16_2.json": ("COMMIT", "d11a021"),
     "smet_stability_lr1e-2.json": ("93bd49d (2026-11-29)", None),
     "smet_stability_lr3e-3.json": ("93bd49d (2026-11-29)", None),
     "sparse_inference.json": ("ba83736 (2026-12-02)", None),
+    "mask_codes.json": ("COMMIT", "e65df73"),
     "spectron_ablation.json": ("3c01074 (2026-12-01)", None),
     "spectron_ablation_pilot.json": ("219d64a (2026-12-01)", None),
     "spectron_stability.json": ("27ae9ff (2026-11-29)", None),
@@ -198,11 +209,14 @@ TABLES: dict[str, Callable[[], str]] = {
     "smet_scaling_before": lambda: smet_scaling.table(result("smet_scaling_before")["runs"]),
     "smet_scaling": lambda: smet_scaling.persistent_table(result("smet_scaling")["runs"]),
     "smet_scaling.summary": lambda: smet_scaling.summary_table(result("smet_scaling")["runs"]),
+    "smet_scaling.codes": lambda: smet_scaling.codes_table(result("smet_scaling_bitmask")["runs"],
+                                                           result("smet_scaling")["runs"], 0.1),
     "smet_plan": lambda: smet_plan.table(result("smet_plan")["runs"]),
     "model_build": lambda: model_build.table(result("model_build")["runs"]),
     **{name: functools.partial(lambda n: smet_speed.table(result(n)["summary"], result(n)["settings"]["density"]),
                                name) for name in ("smet_speed", "smet_speed_index", "smet_speed_mask", "smet_speed_index_bf16",
-                                           "smet_speed_mask_bf16")},
+                                           "smet_speed_mask_bf16", "smet_speed_bits_d01_bf16", "smet_speed_offsets_d01_bf16",
+                                           "smet_speed_offsets_d01_bf16_2", "smet_speed_bits_d01_bf16_2")},
     "smet_stability.lr3e-3": lambda: smet_stability.table(result("smet_stability_lr3e-3")["runs"]),
     "smet_stability.lr1e-2": lambda: smet_stability.table(result("smet_stability_lr1e-2")["runs"]),
     "smet_cold_start": lambda: smet_cold_start.table(result("smet_cold_start")["runs"]),
@@ -238,8 +252,9 @@ TABLES: dict[str, Callable[[], str]] = {
     **{name: functools.partial(lambda n: rigl_memory.table(result(n)["runs"]), name)
        for name in ("rigl_memory_before", "rigl_memory", "rigl_memory_compiled", "rigl_memory_mask",
                     "rigl_memory_set", "rigl_memory_sort", "rigl_memory_choice", "rigl_memory_bf16",
-                    "rigl_memory_last")},
+                    "rigl_memory_last", "rigl_memory_bits_d01", "rigl_memory_offsets", "rigl_memory_offsets_set")},
     "sparse_inference": lambda: sparse_inference.table(result("sparse_inference")["results"]),
+    "mask_codes": lambda: mask_codes.table(result("mask_codes")["results"]),
     **{name: functools.partial(lambda n: inference_speed.table(result(n)["results"]), name)
        for name in ("inference_speed", "inference_speed_before", "inference_speed_compiled")},
 }

@@ -10,6 +10,11 @@
         --out benchmarks/results/rigl_memory_last.json
     python benchmarks/rigl_memory.py --accumulation 1 --precision bf16 --zero-stages 2 3 --ranks 2 \
         --out benchmarks/results/rigl_memory_bf16.json
+    PYTHONPATH=<a checkout of d11a021> python benchmarks/rigl_memory.py --density 0.1 --accumulation 1 \
+        --out benchmarks/results/rigl_memory_bits_d01.json
+    python benchmarks/rigl_memory.py --density 0.1 --accumulation 1 --out benchmarks/results/rigl_memory_offsets.json
+    python benchmarks/rigl_memory.py --regrow random --density 0.1 --accumulation 1 \
+        --out benchmarks/results/rigl_memory_offsets_set.json
 
 A sparse layer stores only its active weights, but RigL's regrowth (``sparse.regrow: gradient``) ranks the
 inactive positions by |dL/dW| of the whole matrix, which exists only inside the layer's backward. Each arm

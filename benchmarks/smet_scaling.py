@@ -174,19 +174,37 @@ def persistent_table(runs: list[dict]) -> str:
                           "lllrrrrrrrrr", rows)
 
 
-def summary_table(runs: list[dict]) -> str:
-    """SMET / dense of the projections' persistent bytes, one row per precision, stage and density, one column
-    per number of ranks."""
-    ranks = sorted({r["ranks"] for r in runs})
+def _projection_ratios(runs: list[dict]) -> dict[tuple, dict[int, float]]:
+    """SMET / dense of the projections' persistent bytes by (precision, stage, density), then by number of ranks."""
     cells: dict[tuple, dict[int, float]] = {}
     for r in runs:
         if r.get("ratios"):
             key = (r["precision"], r["stage"], r["density"])
             cells.setdefault(key, {})[r["ranks"]] = r["ratios"]["persistent_projections"]
+    return cells
+
+
+def summary_table(runs: list[dict]) -> str:
+    """SMET / dense of the projections' persistent bytes, one row per precision, stage and density, one column
+    per number of ranks."""
+    ranks = sorted({r["ranks"] for r in runs})
+    cells = _projection_ratios(runs)
     rows = [[precision, f"ZeRO-{stage}", str(density), *(f"{cells[(precision, stage, density)][n]:.3f}" for n in ranks),
              f"{bound(density):.3f}"] for (precision, stage, density) in cells]
     return markdown_table(["precision", "stage", "d", *(f"{n} ranks" for n in ranks), "goal"],
                           "lll" + "r" * (len(ranks) + 1), rows)
+
+
+def codes_table(bits: list[dict], codes: list[dict], density: float) -> str:
+    """SMET / dense of the projections' persistent bytes at ``density`` with every mask as bits (``bits``' runs)
+    and with each in its smaller code (``codes``' runs), one column pair per number of ranks."""
+    ranks = sorted({r["ranks"] for r in codes})
+    before, after = _projection_ratios(bits), _projection_ratios(codes)
+    keys = [key for key in after if key[2] == density]
+    rows = [[key[0], f"ZeRO-{key[1]}", *(f"{before[key][n]:.3f} → {after[key][n]:.3f}" for n in ranks),
+             f"{bound(density):.3f}"] for key in keys]
+    return markdown_table(["precision", "stage", *(f"{n} ranks: bits → offsets" for n in ranks), "goal"],
+                          "ll" + "r" * (len(ranks) + 1), rows)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
     PYTHONPATH=<a checkout of c248d0c> python benchmarks/smet_speed.py --precision bf16 --data data/stdlib \
         --out benchmarks/results/smet_speed_index_bf16.json
     python benchmarks/smet_speed.py --precision bf16 --data data/stdlib --out benchmarks/results/smet_speed_mask_bf16.json
+    PYTHONPATH=<a checkout of d11a021> python benchmarks/smet_speed.py --density 0.1 --precision bf16 --data data/stdlib \
+        --out benchmarks/results/smet_speed_bits_d01_bf16.json
+    python benchmarks/smet_speed.py --density 0.1 --precision bf16 --data data/stdlib \
+        --out benchmarks/results/smet_speed_offsets_d01_bf16.json
 
 The same model, layout (2 ranks, ZeRO-2, fp32 or ``--precision bf16``) and batches run dense AdamW and SMET in
 alternation, ``--repeats`` times each, so machine drift hits both alike. Step time is the

@@ -2,7 +2,7 @@
 
 The factors are a :class:`~megasparse.lowrank.layers.LowRankLinear`'s (A out x r, B r x in, balanced from the SVD
 of the dense initial weight, as Spectron starts them) and the residual a
-:class:`~megasparse.sparse.layer.SparseLinear`'s (nnz compact values at the positions its bitmask holds, SMET's
+:class:`~megasparse.sparse.layer.SparseLinear`'s (nnz compact values at the positions its mask holds, SMET's
 storage), kept as the two child modules ``factors`` and ``residual`` so that Spectron, SMET's topology updates and
 the checkpoint tools see the parts they know (and registered with ZeRO-3 as this module's external parameters,
 which it gathers for this module's passes). S starts at zero: the layer starts as the low-rank model does, and

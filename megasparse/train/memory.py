@@ -6,7 +6,7 @@ Kinds (bytes), for the module parameters a caller selects by name:
   ZeRO-0/1/2 (this rank's tensor-parallel shard), at ZeRO-3 its partition ``ds_tensor`` plus the whole
   parameter where DeepSpeed keeps it gathered between steps (those under
   ``stage3_param_persistence_threshold`` elements);
-- ``masks``: the same for the parameters that do not train (SMET's packed masks);
+- ``masks``: the same for the parameters that do not train (SMET's masks, bits or offsets);
 - ``masters``: the fp32 master weights of this rank's fragments (none at ZeRO-0, where the module's
   weights are the optimizer's);
 - ``moments``: the elementwise floating-point optimizer state of those fragments (Adam's two moments,
