@@ -27,7 +27,8 @@ run (the tests hold the two within 5%). Within a step come:
   selective; plus the logits, s B V (b + 4) / T (with their fp32 copy for the loss);
 - the largest transient: a sparse layer's pass (its dense W and dL/dW, 2 out in b / T, its unpacked mask,
   about 3 out in bytes, and its positions, 8 nnz); a topology update (per layer: its values, an fp32 state
-  buffer and the int64 positions, sources and kept slots, (28 + b) nnz, and its unpacked mask, 3 out in),
+  buffer and the int64 positions, sources and kept slots, (28 + b) nnz, and its unpacked mask, 3 out in, with 16
+  nnz more to encode a mask as offsets),
   with SET's list of free positions and its draw, 16 (out in - nnz), or RigL's choice, the fp32 sum of the
   layer's dense gradient (its scores), the unpacked mask (its choice) and a comparison, 6 out in, and 24 bytes
   per chosen position, at most zeta_0 nnz (with several micro-batches per step and ``sparse.regrow_gradient:
@@ -55,6 +56,7 @@ from megasparse.model.llama import Llama
 from megasparse.parallel.layers import padded_width
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
+from megasparse.sparse.mask import uses_offsets
 from megasparse.train.deepspeed_config import persistence_threshold
 from megasparse.train.memory import KINDS, is_projection
 
@@ -172,7 +174,8 @@ def _largest_transient(model: Llama, cfg: Config, b: int, d: int) -> float:
             choice += sum(4 * layer.shard_shape[0] * layer.shard_shape[1] for layer in sparse)
     else:
         choice = max(16 * (numel(layer) - layer.nnz) for layer in sparse)
-    update = choice + max((28 + b) * layer.nnz + 3 * numel(layer) for layer in sparse)
+    update = choice + max((28 + b + 16 * uses_offsets(numel(layer), layer.nnz)) * layer.nnz + 3 * numel(layer)
+                          for layer in sparse)
     step = 16 * max(layer.stored_slots for layer in sparse) / (d if cfg.parallel.zero_stage > 0 else 1) / 6
     return float(max(passes, update, step))
 
@@ -186,7 +189,8 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
     staged.parallel.zero_stage = 3
     zero3 = projections(plan(staged, gpus, vocab_size)) / projections(plan(dense_counterpart(staged), gpus, vocab_size))
     whole = dense.projections["weights"]  # what stays whole as ranks are added: the module's weights and masks
-    per_weight = ours.projections["masks"] / whole * (2 if cfg.training.precision == "bf16" else 4)
+    # every tensor-parallel rank holds the whole masks and 1/T of the weights
+    per_weight = ours.projections["masks"] / (whole * cfg.parallel.tensor_parallel) * (2 if cfg.training.precision == "bf16" else 4)
     limit = (ours.projections["weights"] + ours.projections["masks"]) / whole
     return (f"masks: whole on every rank at ZeRO-{cfg.parallel.zero_stage} ({per_weight:.3f} byte per weight of W, "
             f"{ours.model['masks'] / GB:.3f} GB), so the projections' ratio tends to {limit:.3f} as ranks are added: "

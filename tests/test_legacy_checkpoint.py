@@ -107,20 +107,42 @@ def test_an_old_universal_checkpoint_resumes_in_another_layout(runs, dataset, tm
     _resume_matches(dataset, tmp_path, stayed, tag, zero=1, nproc=2)
 
 
-@pytest.mark.parametrize("form", ["deepspeed", "universal"])
-def test_a_checkpoint_with_bitmasks_resumes_with_offsets(runs, dataset, tmp_path, form):
+def _bitmask_zero3_pieces(tag, ranks: int) -> int:
+    """ZeRO-3's masks, a piece in each data-parallel rank's module file, as bits cut as ZeRO-3 cuts them."""
+    paths = [tag / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt" for d in range(ranks)]
+    states = [torch.load(path, weights_only=False) for path in paths]
+    shapes = states[0]["frozen_param_shapes"]
+    whole = {name: torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])[:shape.numel()]
+             for name, shape in shapes.items()}
+    offsets = _bitmask_layers(tag, whole)
+    for path, state, d in zip(paths, states, range(ranks)):
+        for name, bits in whole.items():
+            piece = -(-bits.numel() // ranks)
+            state["frozen_param_shapes"][name] = bits.shape
+            state["frozen_param_fragments"][name] = torch.nn.functional.pad(bits, (0, piece * ranks - bits.numel()))[
+                d * piece:(d + 1) * piece].clone()
+        torch.save(state, path)
+    return offsets
+
+
+@pytest.mark.parametrize("form,saved,resumed", [("deepspeed", 2, 2), ("deepspeed", 3, 3), ("universal", 2, 3)])
+def test_a_checkpoint_with_bitmasks_resumes_with_offsets(runs, dataset, tmp_path, form, saved, resumed):
     """Masks stored as bits at every density (``sparse_storage: bitmask``), at ERK density 0.15, where the MLP's
-    masks are now offsets: from ZeRO-2's own files into the same layout, and from a universal checkpoint into
-    ZeRO-3 (DeepSpeed's loader would refuse both for the masks' shapes)."""
-    stayed = runs(2, 2, 1, method="smet-rigl")
+    masks are now offsets: from ZeRO-2's own files (the masks in the module file) and ZeRO-3's (a piece in each
+    rank's) into the same layout, and from a universal checkpoint into ZeRO-3 (DeepSpeed's loader would refuse
+    all three for the masks' shapes)."""
+    stayed = runs(saved, 2, 1, method="smet-rigl")
     step4 = stayed / "checkpoints" / "step_00000004"
     if form == "deepspeed":
         tag = tmp_path / "old" / step4.name
         shutil.copytree(step4, tag)
-        path = tag / "mp_rank_00_model_states.pt"
-        states = torch.load(path, weights_only=False)
-        assert _bitmask_layers(tag, states["module"]) == 2 * 3  # llama-tiny: 2 blocks' gate, up and down
-        torch.save(states, path)
+        if saved == 3:
+            assert _bitmask_zero3_pieces(tag, 2) == 2 * 3
+        else:
+            path = tag / "mp_rank_00_model_states.pt"
+            states = torch.load(path, weights_only=False)
+            assert _bitmask_layers(tag, states["module"]) == 2 * 3  # llama-tiny: 2 blocks' gate, up and down
+            torch.save(states, path)
     else:
         megasparse_here("convert", "reshard", str(step4), "--out", str(tmp_path / "universal")).check()
         tag = tmp_path / "universal" / step4.name
@@ -128,4 +150,4 @@ def test_a_checkpoint_with_bitmasks_resumes_with_offsets(runs, dataset, tmp_path
         assert _bitmask_layers(tag, weights) == 2 * 3
         save_file(weights, tag / "weights.safetensors")
     _as_written_before(tag, "bitmask")
-    _resume_matches(dataset, tmp_path, stayed, tag, zero=2 if form == "deepspeed" else 3, nproc=2, method="smet-rigl")
+    _resume_matches(dataset, tmp_path, stayed, tag, zero=resumed, nproc=2, method="smet-rigl")

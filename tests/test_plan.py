@@ -117,7 +117,8 @@ def test_zero3_keeps_a_sparse_projection_gathered_when_its_dense_weight_would_be
 def test_the_report_says_what_zero3_would_make_of_the_whole_masks():
     """At ZeRO-1/2 every rank holds SMET's masks whole, which bounds the projections' ratio at d + (mask bytes per
     weight) / b; the report says so, with the ratio ZeRO-3 (which partitions them) would give, lower on 64 ranks:
-    at d = 0.1 in bf16 the masks are offsets, 0.070 byte per weight, and the bound d + 0.035."""
+    at d = 0.1 in bf16 the masks are offsets, 0.070 byte per weight, and the bound d + 0.035 (d + 0.070 at
+    tensor-parallel degree 2)."""
     cfg = load_config("smet-paper-llama-130m", ["sparse.density=0.1", "training.global_batch_size=1024",
                                                 "training.micro_batch_size=16"])
     line = report(cfg, 64, None).splitlines()[-1]
@@ -126,5 +127,10 @@ def test_the_report_says_what_zero3_would_make_of_the_whole_masks():
     here, zero3 = (float(part.split(": ")[-1].split(" ")[0]) for part in line.split(";"))
     assert limit == pytest.approx(0.1 + 0.0703 / 2, abs=1e-3)
     assert 0.1 < zero3 < here < limit < 0.1 * 1.15 + 0.04
+    # every tensor-parallel rank holds the whole masks and 1/T of the weights: the bound is d + T m / 2
+    cfg.parallel.tensor_parallel = 2
+    line = report(cfg, 64, None).splitlines()[-1]
+    assert "(0.070 byte per weight of W" in line
+    assert float(line.split("tends to ")[1].split(" ")[0]) == pytest.approx(0.1 + 0.0703, abs=1e-3)
     cfg.parallel.zero_stage = 3
     assert not report(cfg, 64, None).splitlines()[-1].startswith("masks:")
