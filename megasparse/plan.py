@@ -189,8 +189,8 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
     staged.parallel.zero_stage = 3
     zero3 = projections(plan(staged, gpus, vocab_size)) / projections(plan(dense_counterpart(staged), gpus, vocab_size))
     whole = dense.projections["weights"]  # what stays whole as ranks are added: the module's weights and masks
-    # every tensor-parallel rank holds the whole masks and 1/T of the weights
-    per_weight = ours.projections["masks"] / (whole * cfg.parallel.tensor_parallel) * (2 if cfg.training.precision == "bf16" else 4)
+    positions = whole * cfg.parallel.tensor_parallel / (2 if cfg.training.precision == "bf16" else 4)  # of every W
+    per_weight = ours.projections["masks"] / positions  # every tensor-parallel rank holds the whole masks
     limit = (ours.projections["weights"] + ours.projections["masks"]) / whole
     return (f"masks: whole on every rank at ZeRO-{cfg.parallel.zero_stage} ({per_weight:.3f} byte per weight of W, "
             f"{ours.model['masks'] / GB:.3f} GB), so the projections' ratio tends to {limit:.3f} as ranks are added: "

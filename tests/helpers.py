@@ -57,12 +57,13 @@ METHODS["smet-tp-erk"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"][
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).
 METHODS["spectron-adam"] = {**METHODS["spectron"], "spectron": {"lr": 0.01, "orthogonalise": False}}
-# W = A B + S: Spectron's factors (rank 0.25 x in_features) plus a SMET residual of density 0.25 (an even number of
-# slots in every llama-tiny projection, for 2 tensor-parallel ranks), starting at zero, updated every 3 steps: after
+# W = A B + S: Spectron's factors (rank 0.25 x in_features) plus a SMET residual of density 0.15, as the shipped
+# hybrid configs (masks stored as offsets; an even number of slots in every llama-tiny projection, 614 and 1690, for
+# 2 tensor-parallel ranks), starting at zero, updated every 3 steps: after
 # only 2 steps from zero Adam has moved every slot by about +-lr, and SET's ranking of such near-equal magnitudes
 # is decided by rounding (TP 2 x DP 2 at ZeRO-3 flipped 2 positions of 11,264 at an update at step 2).
 METHODS["hybrid"] = {"model": {"layer": "hybrid"}, "optimizer": {"name": "hybrid", "lr": 1e-3, "min_lr": 3e-5},
-                     "sparse": {"density": 0.25, "update_interval": 3}, "smet": {"slot_warmup_steps": 3},
+                     "sparse": {"density": 0.15, "update_interval": 3}, "smet": {"slot_warmup_steps": 3},
                      "spectron": {"lr": 0.05}}
 # llama-tiny with an MLP width that 2 tensor-parallel ranks cannot share in aligned halves (180: stored as 184 on
 # one rank, 2 x 96 on two), as llama-1b's 5461 is on 2-8 ranks.
