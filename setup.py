@@ -26,6 +26,8 @@ setup(
         "packaging",
         "sentencepiece>=0.2",
         "datasets>=2.19",
+        "pyarrow",  # parquet corpora, read in row batches (datasets needs it too)
+        "zstandard",  # .zst corpora (The Pile, RedPajama); the standard library reads .gz, .bz2 and .xz
         "numpy",
         "safetensors",
         "pyyaml",

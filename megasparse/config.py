@@ -161,6 +161,7 @@ class SourceConfig:
     hf_subset: str = ""
     hf_split: str = "train"
     text_field: str = "text"
+    document: Literal["paragraph", "file"] = "paragraph"
     val_files: list[str] = field(default_factory=list)
     max_documents: int = number(0, ge=0)
     max_tokens: int = number(0, ge=0)  # its own budget; 0: its weight's share of data.max_tokens (or all of it)
@@ -176,11 +177,18 @@ class DataConfig:
 
     path: str = path_key("data/stdlib", "dataset_directory")  # prepared dataset (index.json, shards, tokenizer.model)
     seq_len: int = number(256, ge=2)
-    files: list[str] = field(default_factory=list)  # .txt/.jsonl/.json/.parquet files or globs
+    # files or globs: .txt, .jsonl/.json, .parquet, source and markup files (with document: file), each also as
+    # .gz/.zst/.bz2/.xz
+    files: list[str] = field(default_factory=list)
     hf_dataset: str = ""  # a Hugging Face hub dataset, streamed (needs network)
     hf_subset: str = ""
     hf_split: str = "train"
     text_field: str = "text"
+    # a text file's documents: its blank-line separated paragraphs, or the whole file (code, one file per document)
+    document: Literal["paragraph", "file"] = "paragraph"
+    # a bad file (empty, binary, cut short, no text field) or row (broken JSON, no text): skipped, counted and listed
+    # in index.json, or the preparation refused
+    on_bad_file: Literal["skip", "error"] = "skip"
     tokenizer: str = path_key("", "existing_file")  # an existing sentencepiece model; empty: train one on the data
     vocab_size: int = number(8000, ge=300, hint="256 byte pieces plus specials")  # of the tokenizer prepare-data trains
     val_files: list[str] = field(default_factory=list)  # validation text; empty: hold out val_fraction

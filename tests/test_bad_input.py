@@ -6,8 +6,8 @@ joins them by itself: every numeric key at 0 and -1 where its bounds refuse them
 infinity, and every path key given a file where a directory is expected (and the reverse), a place below
 a file, or nothing. And all the zeros the bounds admit, at once, must train.
 
-Cases that fail before the process group exists run `megasparse.cli.main` in this process; the
-others (checks of a resumed checkpoint inside `train`) run as processes."""
+Every case fails before the process group exists (a resumed checkpoint is checked by `preflight` too, before
+any data is prepared), so each runs `megasparse.cli.main` in this process."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import megasparse, one_error_line, tiny_config, write_config
+from helpers import megasparse, tiny_config, write_config
 
 from megasparse.cli import main
 from megasparse.config import Config
@@ -32,7 +32,6 @@ class Case:
     name: str
     argv: Callable[["Setup"], list[str]]  # the command line, built in the case's directory
     message: str
-    process: bool = False  # needs a real process (it gets past the start of training)
     env: dict[str, str | None] | None = None  # None: unset
 
 
@@ -122,9 +121,20 @@ CASES = [
     Case("no data files", lambda s: ["prepare-data", "--files", str(s.tmp / "*.nothing"), "--out", str(s.tmp / "d")],
          "no file matches"),
     Case("empty data file", lambda s: ["prepare-data", "--files", s.file("empty.txt", b""), "--out", str(s.tmp / "d")],
-         "is empty"),
+         "empty.txt: empty"),
     Case("binary data file", lambda s: ["prepare-data", "--files", s.file("bin.txt", b"ab\x00\x01" * 20), "--out",
-                                        str(s.tmp / "d")], "looks binary"),
+                                        str(s.tmp / "d")], "bin.txt: looks binary"),
+    Case("strict: one bad file", lambda s: ["prepare-data", "--files", s.file("a.txt", b"some text\n"),
+                                            s.file("b.jsonl", b'{"text": \n'), "--out", str(s.tmp / "d"), "--set",
+                                            "data.on_bad_file=error"], "b.jsonl': line 1 is not JSON"),
+    Case("compressed parquet", lambda s: ["prepare-data", "--files", s.file("a.parquet.gz", b"x"), "--out",
+                                          str(s.tmp / "d")], "parquet compresses its columns itself"),
+    Case("code read as paragraphs", lambda s: ["prepare-data", "--files", s.file("a.py", b"x = 1\n"), "--out",
+                                               str(s.tmp / "d")], "set data.document: file"),
+    Case("a mixture's missing file", lambda s: ["prepare-data", s.config(data={"path": str(s.tmp / "mix"), "sources": [
+        {"name": "web", "files": [s.file("a.txt", b"some text\n")]},
+        {"name": "code", "files": [str(s.tmp / "missing.py")], "document": "file"}]})],
+         "data.sources[1].files: '"),
     Case("not a tokenizer", lambda s: ["prepare-data", "--files", s.file("a.txt", b"some text\n"), "--tokenizer",
                                        s.file("tok.model", b"not a model"), "--out", str(s.tmp / "d")],
          "is not a SentencePiece model"),
@@ -137,18 +147,29 @@ CASES = [
     Case("TP not dividing the vocabulary", lambda s: train(s, parallel={"tensor_parallel": 3}, model={"n_heads": 3, "dim": 60,
                                                                           "ffn_dim": 180}),
          "parallel.tensor_parallel=3 does not divide the vocabulary size 400", env=RANKS_OF_3),
-    # checkpoints
+    # before the data is prepared (data.path not there yet: the embedded corpus would be prepared first)
+    Case("no validation split to evaluate on", lambda s: train(s, data={"path": str(s.tmp / "new"), "val_fraction": 0}),
+         "training.eval_samples needs a validation split"),
+    Case("TP not dividing the vocabulary to train", lambda s: train(s, parallel={"tensor_parallel": 3}, model={
+        "n_heads": 3, "dim": 60, "ffn_dim": 180}, data={"path": str(s.tmp / "new"), "vocab_size": 400}),
+         "parallel.tensor_parallel=3 does not divide the vocabulary size 400 of the data to prepare", env=RANKS_OF_3),
+    Case("resume from nowhere before preparing", lambda s: train(s, "--resume", str(s.tmp / "step_999"),
+                                                                 data={"path": str(s.tmp / "new")}),
+         "no complete megasparse checkpoint"),
+    Case("checkpoint of another model before preparing", lambda s: train(s, "--resume", s.checkpoint(), model={
+        "n_layers": 3}, data={"path": str(s.tmp / "new")}), "is for another model: model.n_layers=2"),
+    Case("checkpoint of another vocabulary before preparing", lambda s: train(s, "--resume", s.checkpoint(), data={
+        "path": str(s.tmp / "new"), "vocab_size": 500}), "has vocabulary size 400, the data's tokenizer 500"),
+    # checkpoints (refused before the process group starts)
     Case("checkpoint of another shape", lambda s: train(s, "--resume", s.checkpoint(), model={"n_layers": 3}),
-         "is for another model: model.n_layers=2, this config has 3", process=True),
+         "is for another model: model.n_layers=2, this config has 3"),
     Case("checkpoint of another method", lambda s: train(s, "--resume", s.checkpoint("smet")),
-         "is for another model: model.layer=sparse, this config has dense", process=True),
+         "is for another model: model.layer=sparse, this config has dense"),
     Case("checkpoint of other factor ranks", lambda s: train(s, "--resume", s.checkpoint("spectron"), method="spectron",
                                                              lowrank={"rank_multiple": 8}),
          "has other low-rank factors ({'q_proj': 16, 'k_proj': 16, 'v_proj': 16, 'o_proj': 16, 'gate_proj': 16, "
-         "'up_proj': 16, 'down_proj': 44}); this config's lowrank.rank, rank_ratio, rank_multiple and targets give",
-         process=True),
-    Case("resume from nowhere", lambda s: train(s, "--resume", str(s.tmp / "nowhere")), "no complete megasparse checkpoint",
-         process=True),
+         "'up_proj': 16, 'down_proj': 44}); this config's lowrank.rank, rank_ratio, rank_multiple and targets give"),
+    Case("resume from nowhere", lambda s: train(s, "--resume", str(s.tmp / "nowhere")), "no complete megasparse checkpoint"),
     Case("convert a non-checkpoint", lambda s: ["convert", "consolidate", str(s.tmp), "--out", str(s.tmp / "o")],
          "is not a megasparse checkpoint"),
     Case("import a non-HF folder", lambda s: ["convert", "import-hf", str(s.tmp), "--out", str(s.tmp / "o")],
@@ -245,21 +266,17 @@ def test_bad_input(case, tmp_path, dataset, runs, capsys, monkeypatch):
     setup = Setup(tmp_path, dataset, runs)
     argv = case.argv(setup)
     before = snapshot(tmp_path)
-    if case.process:
-        result = megasparse(*argv, env=case.env)
-        one_error_line(result, case.message)
-    else:
-        for name, value in (case.env or {}).items():
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        capsys.readouterr()
-        code = main(argv)
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.startswith("megasparse: error:")]
-        assert code == 2 and len(lines) == 1 and case.message in lines[0], err
-        assert not torch.distributed.is_initialized(), "an in-process case must fail before the process group starts"
+    for name, value in (case.env or {}).items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megasparse: error:")]
+    assert code == 2 and len(lines) == 1 and case.message in lines[0], err
+    assert not torch.distributed.is_initialized(), "every case must fail before the process group starts"
     assert snapshot(tmp_path) == before  # nothing written, nothing changed
 
 

@@ -85,8 +85,11 @@ def test_jsonl_and_parquet_sources(tmp_path, dataset):
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "b.parquet"))
     cfg = DataConfig(files=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")])
     assert list(iter_documents(cfg)) == [r["text"] for r in rows] * 2
+    assert list(iter_documents(DataConfig(files=cfg.files, text_field="body"))) == []  # bad files: skipped
     with pytest.raises(UserError, match="no column 'body' \\(columns: text, id\\)"):
-        list(iter_documents(DataConfig(files=[str(tmp_path / "a.jsonl")], text_field="body")))
+        list(iter_documents(DataConfig(files=[str(tmp_path / "b.parquet")], text_field="body", on_bad_file="error")))
+    with pytest.raises(UserError, match="line 1 has no field 'body'"):
+        list(iter_documents(DataConfig(files=[str(tmp_path / "a.jsonl")], text_field="body", on_bad_file="error")))
 
 
 def test_embedded_corpus_is_the_standard_library():
@@ -99,22 +102,30 @@ def test_embedded_corpus_is_the_standard_library():
     assert first == files[0].read_text()
 
 
-@pytest.mark.parametrize("name,content,message", [
-    ("missing.txt", None, "'.*missing.txt' does not exist"),
-    ("*.nothing", None, "no file matches"),
-    ("empty.txt", b"", "is empty"),
-    ("binary.txt", b"ab\x00\x01cd" * 10, "looks binary"),
-    ("latin.txt", "caf\xe9 ".encode("latin-1") * 10, "is not UTF-8 text"),
-    ("table.csv", b"x,y", "unsupported type '.csv'"),
-    ("blank.txt", b"\n\n   \n", "no text found"),
-    ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "cannot parse data"),
+@pytest.mark.parametrize("name,content,message,skipped", [
+    ("missing.txt", None, "'.*missing.txt' does not exist", None),
+    ("*.nothing", None, "no file matches", None),
+    ("empty.txt", b"", "is empty|: empty", "empty"),
+    ("binary.txt", b"ab\x00\x01cd" * 10, "looks binary", "looks binary"),
+    ("latin.txt", "caf\xe9 ".encode("latin-1") * 10, "not UTF-8 text", "not UTF-8 text"),
+    ("table.csv", b"x,y", "unsupported type '.csv'", None),
+    ("blank.txt", b"\n\n   \n", "no text found", None),
+    ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "line 2 is not JSON", None),
 ])
-def test_bad_data_files_fail_clearly_and_write_nothing(tmp_path, name, content, message):
+@pytest.mark.parametrize("on_bad_file", ["error", "skip"])
+def test_bad_data_files_fail_clearly_and_write_nothing(tmp_path, name, content, message, skipped, on_bad_file):
+    """Refused in one line with data.on_bad_file: error; skipped (a corpus of one bad file: no text found) with
+    skip, where a row of a file with good ones is skipped and counted (test_corpus_files.py)."""
     if content is not None:
         (tmp_path / name).write_bytes(content)
+    if on_bad_file == "skip" and name == "broken.jsonl":
+        return
+    if on_bad_file == "skip" and skipped:
+        message = f"no text found in .*{name} \\(1 bad file skipped, first .*{name}: {skipped}"
     out = tmp_path / "out"
     with pytest.raises(UserError, match=message) as error:
-        prepare_data(DataConfig(path=str(out), files=[str(tmp_path / name)], vocab_size=300), progress=False)
+        prepare_data(DataConfig(path=str(out), files=[str(tmp_path / name)], vocab_size=300, on_bad_file=on_bad_file),
+                     progress=False)
     assert "\n" not in str(error.value)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging left behind

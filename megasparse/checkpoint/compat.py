@@ -50,15 +50,16 @@ def check_same_model(saved: Config, cfg: Config, source: str) -> None:
             raise UserError(f"{source} is for another model: model.{key}={theirs}, this config has {ours}")
 
 
-def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int, tokenizer_sha256: str,
+def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int | None, tokenizer_sha256: str | None,
                      tag_dir: Path) -> None:
-    """Fail with one line if the checkpoint cannot continue this run."""
+    """Fail with one line if the checkpoint cannot continue this run (the data's vocabulary size and tokenizer
+    compared where known: before the data is prepared they may not be)."""
     saved = config_from_dict(meta.config)
     check_same_model(saved, cfg, f"checkpoint '{tag_dir}'")
     refuse_unpadded(meta, tag_dir)
-    if meta.vocab_size != vocab_size:
+    if vocab_size is not None and meta.vocab_size != vocab_size:
         raise UserError(f"checkpoint '{tag_dir}' has vocabulary size {meta.vocab_size}, the data's tokenizer {vocab_size}")
-    if meta.tokenizer_sha256 != tokenizer_sha256:
+    if tokenizer_sha256 is not None and meta.tokenizer_sha256 != tokenizer_sha256:
         raise UserError(f"checkpoint '{tag_dir}' was trained with another tokenizer than the data at {cfg.data.path}")
     if saved.training.precision != cfg.training.precision:
         raise UserError(f"checkpoint '{tag_dir}' is {saved.training.precision}; this config trains in "

@@ -1,10 +1,13 @@
-"""Raw text documents for ``prepare-data``, read through Hugging Face ``datasets``.
+"""The documents ``prepare-data`` reads, and where they come from.
 
-Sources, in order of precedence: a hub dataset (``data.hf_dataset``, streamed), local files
-(``data.files``: ``.txt`` split into blank-line separated paragraphs, ``.jsonl``/``.json``/
-``.parquet`` read from ``data.text_field``), or, with neither, the embedded default corpus:
-the Python standard library sources of the running interpreter, one document per module.
-That corpus is real text, about 11 MB of it, and present on every machine without network.
+Sources, in order of precedence: a hub dataset (``data.hf_dataset``, streamed through Hugging Face ``datasets``),
+local files (``data.files``, read as streams by :mod:`megasparse.data.readers`: no ``datasets``, no copy, no
+network), or, with neither, the embedded default corpus: the Python standard library sources of the running
+interpreter, one document per module. That corpus is real text, about 11 MB of it, and present on every machine
+without network.
+
+A source is a list of :class:`Input` (each file, or the hub dataset), then those of ``data.val_files``; the
+documents are theirs in that order.
 """
 from __future__ import annotations
 
@@ -12,24 +15,26 @@ import dataclasses
 import glob
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from megasparse.config import DataConfig, SourceConfig
+from megasparse.data.readers import Document, FileKind, FileReading, file_kind
 from megasparse.data.shards import INDEX_FILE, open_prepared
 from megasparse.errors import UserError
 
-_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 
 
-def describe_sources(cfg: DataConfig) -> list[str]:
-    """What the documents come from, as recorded in the dataset index (checks local files exist); a mixture's
-    as ``NAME=`` each of its sources'."""
+def describe_sources(cfg: DataConfig, key: str = "data") -> list[str]:
+    """What the documents come from, as recorded in the dataset index (checks that local files exist and can be
+    read, naming ``key``'s entries in messages); a mixture's as ``NAME=`` each of its sources'."""
     if cfg.sources:
-        return [f"{source.name}={where}" for source in cfg.sources
-                for where in ([f"prepared:{source.path}"] if source.path else describe_sources(source_config(cfg, source)))]
-    validation = [f"val:{p}" for p in expand_files(cfg.val_files)]
-    return _describe_training(cfg) + validation
+        return [f"{source.name}={where}" for number, source in enumerate(cfg.sources)
+                for where in ([f"prepared:{source.path}"] if source.path else
+                              describe_sources(source_config(cfg, source), f"data.sources[{number}]"))]
+    validation = [f"val:{p}" for p in expand_files(cfg.val_files, cfg.document, f"{key}.val_files")]
+    return _describe_training(cfg, key) + validation
 
 
 MIXTURE_SOURCES = "sources"  # where under a mixture's data.path its sources are prepared, one directory each
@@ -51,21 +56,21 @@ def source_config(cfg: DataConfig, source: SourceConfig) -> DataConfig:
     return dataclasses.replace(
         cfg, path=str(Path(cfg.path) / MIXTURE_SOURCES / source.name), files=source.files,
         hf_dataset=source.hf_dataset, hf_subset=source.hf_subset, hf_split=source.hf_split,
-        text_field=source.text_field, val_files=source.val_files, max_documents=source.max_documents,
-        max_tokens=budget, sources=[])
+        text_field=source.text_field, document=source.document, val_files=source.val_files,
+        max_documents=source.max_documents, max_tokens=budget, sources=[])
 
 
-def validation_source(cfg: DataConfig) -> DataConfig:
-    """The data config that reads ``data.val_files``."""
-    return dataclasses.replace(cfg, files=cfg.val_files, val_files=[], hf_dataset="", max_documents=0)
-
-
-def _describe_training(cfg: DataConfig) -> list[str]:
+def _describe_training(cfg: DataConfig, key: str) -> list[str]:
     if cfg.hf_dataset:
-        return [f"hf:{cfg.hf_dataset}" + (f"/{cfg.hf_subset}" if cfg.hf_subset else "") + f":{cfg.hf_split}"]
+        return [hub_name(cfg)]
     if cfg.files:
-        return [str(p) for p in expand_files(cfg.files)]
+        return [str(p) for p in expand_files(cfg.files, cfg.document, f"{key}.files")]
     return [f"{EMBEDDED}python-stdlib:{stdlib_dir()}"]
+
+
+def hub_name(cfg: DataConfig) -> str:
+    """The hub dataset as the index names it: ``hf:NAME[/SUBSET]:SPLIT``."""
+    return f"hf:{cfg.hf_dataset}" + (f"/{cfg.hf_subset}" if cfg.hf_subset else "") + f":{cfg.hf_split}"
 
 
 EMBEDDED = "embedded:"  # how the embedded corpus is named among a dataset's sources
@@ -80,13 +85,54 @@ def trains_on_embedded_corpus(cfg: DataConfig) -> bool:
     return not cfg.files and not cfg.hf_dataset and not cfg.sources
 
 
+@dataclass(frozen=True)
+class Input:
+    """One place documents come from: a local file (``kind`` says how it is read) or, with ``path`` None, the
+    hub dataset; ``validation``: every document of it is a validation document (``data.val_files``)."""
+
+    path: Path | None
+    kind: FileKind | None
+    document: Document
+    validation: bool = False
+
+    @property
+    def text_bytes(self) -> int:
+        """About how much text it holds (its size on disk times its compression's usual ratio); 0 for the hub."""
+        return self.path.stat().st_size * self.kind.text_bytes_per_byte if self.path else 0
+
+
+def source_inputs(cfg: DataConfig) -> list[Input]:
+    """The inputs of ``cfg``'s one source, in order: the training text's, then ``data.val_files``'."""
+    if cfg.hf_dataset:
+        training = [Input(None, None, cfg.document)]
+    elif cfg.files:
+        training = _file_inputs(cfg.files, cfg.document, "data.files")
+    else:
+        training = [Input(path, file_kind(path, "file", "embedded corpus"), "file") for path in stdlib_files()]
+    return training + _file_inputs(cfg.val_files, cfg.document, "data.val_files", validation=True)
+
+
+def _file_inputs(patterns: list[str], document: Document, key: str, validation: bool = False) -> list[Input]:
+    return [Input(path, file_kind(path, document, key), document, validation)
+            for path in expand_files(patterns, document, key)]
+
+
+def open_reading(cfg: DataConfig, source: Input) -> FileReading:
+    """A reading of ``source``'s documents under ``cfg``'s text field and bad-input rule."""
+    strict = cfg.on_bad_file == "error"
+    if source.path is None:
+        return HubReading(cfg, strict)
+    return FileReading(source.path, source.kind, cfg.text_field, source.document, strict)
+
+
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """Yield the non-blank documents of the configured source, in a fixed order."""
+    """Yield the non-blank training documents of the configured source, in a fixed order (bad files and rows
+    skipped, or refused with ``data.on_bad_file: error``); ``data.max_documents`` of them at most."""
     count = 0
-    for text in _raw_documents(cfg):
-        if not isinstance(text, str):
-            raise UserError(f"data.text_field '{cfg.text_field}' holds {type(text).__name__}, not text")
-        if text.strip():
+    for source in source_inputs(cfg):
+        if source.validation:
+            return
+        for text in open_reading(cfg, source).documents():
             yield text
             count += 1
             if cfg.max_documents and count >= cfg.max_documents:
@@ -109,71 +155,48 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def expand_files(patterns: list[str]) -> list[Path]:
-    """Expand globs; every pattern must match at least one readable, non-empty text file."""
+def expand_files(patterns: list[str], document: Document, key: str) -> list[Path]:
+    """Expand globs; every pattern must match at least one file of a readable kind (named by ``key`` in the
+    message when not)."""
     files: list[Path] = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         if not matches:
-            raise UserError(f"data.files: no file matches '{pattern}'")
+            raise UserError(f"{key}: no file matches '{pattern}'")
         for match in matches:
             path = Path(match)
             if not path.is_file():
-                raise UserError(f"data.files: '{match}' does not exist or is not a file")
-            if path.suffix.lower() not in _BUILDERS:
-                raise UserError(f"data.files: '{match}' has unsupported type '{path.suffix}' "
-                                f"(use {', '.join(sorted(_BUILDERS))})")
-            _check_text_file(path)
+                raise UserError(f"{key}: '{match}' does not exist or is not a file")
+            file_kind(path, document, key)
             files.append(path)
     return files
 
 
-def _check_text_file(path: Path) -> None:
-    if path.stat().st_size == 0:
-        raise UserError(f"data file '{path}' is empty")
-    if path.suffix.lower() == ".parquet":
-        return
-    with path.open("rb") as handle:
-        head = handle.read(1 << 16)
-    if b"\x00" in head:
-        raise UserError(f"data file '{path}' looks binary (NUL bytes); expected UTF-8 text")
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if exc.start < len(head) - 4:  # a character cut by the 64 KiB window is fine
-            raise UserError(f"data file '{path}' is not UTF-8 text (byte {exc.start})") from None
+class HubReading(FileReading):
+    """A reading of the hub dataset ``data.hf_dataset``, streamed (``datasets.load_dataset(streaming=True)``);
+    its rows are checked as a file's are, and a failure to reach it is fatal."""
 
+    def __init__(self, cfg: DataConfig, strict: bool) -> None:
+        super().__init__(Path(hub_name(cfg)), None, cfg.text_field, cfg.document, strict)
+        self.cfg = cfg
 
-def _raw_documents(cfg: DataConfig) -> Iterator[object]:
-    import datasets  # heavy import, only where documents are read
+    def _rows(self) -> Iterator[str]:
+        import datasets  # heavy import, only where a hub dataset is read
 
-    datasets.disable_progress_bars()
-    try:
-        if cfg.hf_dataset:
+        datasets.disable_progress_bars()
+        cfg = self.cfg
+        try:
             stream = datasets.load_dataset(cfg.hf_dataset, cfg.hf_subset or None, split=cfg.hf_split, streaming=True)
-            yield from _field(stream, cfg.text_field)
-            return
-        if not cfg.files:
-            files = [str(p) for p in stdlib_files()]
-            yield from datasets.load_dataset("text", data_files=files, sample_by="document", split="train")["text"]
-            return
-        for path in expand_files(cfg.files):
-            builder = _BUILDERS[path.suffix.lower()]
-            options = {"sample_by": "paragraph"} if builder == "text" else {}
-            table = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
-            yield from _field(table, "text" if builder == "text" else cfg.text_field)
-    except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError, ConnectionError) as exc:
-        raise UserError(f"cannot read data: {_first_line(exc)}") from None
-    except (ValueError, UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as exc:
-        raise UserError(f"cannot parse data: {_first_line(exc)}") from None
-
-
-def _field(table, name: str) -> Iterator[object]:
-    names = table.column_names
-    if names is not None and name not in names:
-        raise UserError(f"data.text_field: no column '{name}' (columns: {', '.join(names)})")
-    for row in table:
-        yield row[name]
+            names = stream.column_names
+            if names is not None and cfg.text_field not in names:
+                raise UserError(f"data.text_field: no column '{cfg.text_field}' (columns: {', '.join(names)})")
+            for number, row in enumerate(stream, 1):
+                if (text := self.row_text(row, f"row {number}")) is not None:
+                    yield text
+        except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError, ConnectionError) as exc:
+            raise UserError(f"cannot read data: {_first_line(exc)}") from None
+        except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
+            raise UserError(f"cannot parse data: {_first_line(exc)}") from None
 
 
 def _first_line(exc: BaseException) -> str:

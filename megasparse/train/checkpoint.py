@@ -20,7 +20,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from megasparse.checkpoint.compat import same_layout
+from megasparse.checkpoint.compat import check_compatible, same_layout
 from megasparse.checkpoint.durable import prune, write_checkpoint
 from megasparse.checkpoint.files import META_FILE, CheckpointMeta, complete_checkpoints, open_checkpoint, tag_for
 from megasparse.checkpoint.state import apply_training_state, read_training_state
@@ -53,6 +53,27 @@ def resolve_resume(resume: str | None, directory: Path, verify: Callable[[Path],
             raise UserError(f"checkpoint '{candidate}' is damaged: {problem}")
         warn(f"skipping checkpoint {candidate}: {problem}")
     raise UserError(f"no checkpoint in {path} passes its manifest check (see the warnings); nothing to resume from")
+
+
+def check_resume(cfg: Config, resume: str | None, vocab_size: int | None, tokenizer_sha256: str | None) -> None:
+    """Refuse, from the files alone and before any data is prepared or process group joined, a ``--resume`` that
+    cannot continue this run: a path without a checkpoint, one of another model (:func:`check_compatible`, the data's
+    vocabulary and tokenizer where known), or none given where checkpoints are already. The run checks its
+    checkpoint again, its files' manifest too, once it has started."""
+    directory = cfg.checkpoint_dir
+    tag_dir = resolve_resume(resume, directory, lambda tag: None, lambda message: None)
+    if tag_dir is None:
+        if resume is None and complete_checkpoints(directory):
+            raise UserError(f"{directory} already holds checkpoints; pass --resume auto to continue, "
+                            "or choose another training.output_dir")
+        return
+    try:
+        meta = CheckpointMeta.read(tag_dir)
+    except UserError:
+        if resume == "auto":  # a damaged newest checkpoint: the run skips it (with a warning) for an older one
+            return
+        raise
+    check_compatible(meta, cfg, vocab_size, tokenizer_sha256, tag_dir)
 
 
 def save_checkpoint(engine, cfg: Config, meta: CheckpointMeta, client_state: dict[str, Any], tokenizer: Path) -> Path:

@@ -12,8 +12,8 @@ from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches
 from megasparse.data.mixture import Mixture
 from megasparse.data.prepare_mixture import missing_sources, prepare_dataset
-from megasparse.data.shards import INDEX_FILE, PreparedData, TokenWindows, open_prepared
-from megasparse.data.tokenizer import file_sha256
+from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, TokenWindows, open_prepared
+from megasparse.data.tokenizer import file_sha256, load_tokenizer
 from megasparse.errors import UserError
 from megasparse.parallel.distributed import rank0_decides, rank0_runs
 from megasparse.parallel.watchdog import Heartbeat
@@ -35,6 +35,29 @@ def load_or_prepare(cfg: Config, heartbeat: Heartbeat | None, announce: Callable
         with heartbeat.waiting_on_rank_0() if heartbeat else contextlib.nullcontext():
             rank0_runs(prepare, "data preparation", patient=True)  # a large corpus may take longer than the timeout
     return open_prepared(path)
+
+
+def check_data_to_prepare(cfg: Config) -> tuple[int, str | None]:
+    """Refuse, before it is prepared, data that the run could not use: a vocabulary that the tensor-parallel degree
+    does not divide, or no validation split where the run evaluates. Returns the vocabulary size and the tokenizer's
+    SHA-256 that the data will have (the tokenizer given or kept, else ``data.vocab_size`` and a hash not known
+    until it is trained)."""
+    data, tp = cfg.data, cfg.parallel.tensor_parallel
+    prepared_sources = [s for s in data.sources if s.path]
+    kept = Path(data.path) / TOKENIZER_FILE  # a mixture prepared in part keeps its tokenizer there
+    tokenizer = Path(data.tokenizer) if data.tokenizer else kept if data.sources and kept.is_file() else \
+        open_prepared(Path(prepared_sources[0].path)).tokenizer_path if prepared_sources else None
+    vocab_size, sha256 = (load_tokenizer(tokenizer).vocab_size(), file_sha256(tokenizer)) if tokenizer else \
+        (data.vocab_size, None)
+    if vocab_size % tp:
+        raise UserError(f"parallel.tensor_parallel={tp} does not divide the vocabulary size {vocab_size} of the "
+                        f"data to prepare ({tokenizer or 'data.vocab_size'}); choose a data.vocab_size it divides")
+    held_out = [not source.val_files for source in data.sources if not source.path] if data.sources else \
+        [not data.val_files]
+    if cfg.training.eval_samples and data.val_fraction == 0 and any(held_out):
+        raise UserError("training.eval_samples needs a validation split, and the data to prepare has none "
+                        "(data.val_fraction=0 without val_files); raise data.val_fraction or set training.eval_samples=0")
+    return vocab_size, sha256
 
 
 @dataclass

@@ -51,8 +51,9 @@ from megasparse.parallel.launch_env import discover_launch_env
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.parallel.watchdog import Heartbeat, stall_timeout
 from megasparse.sparse.topology import TopologyUpdater
-from megasparse.train.data import ONE_SOURCE, load_or_prepare, usable_windows
-from megasparse.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from megasparse.train.data import ONE_SOURCE, check_data_to_prepare, load_or_prepare, usable_windows
+from megasparse.train.checkpoint import (check_resume, load_checkpoint, resolve_resume, rng_state, save_checkpoint,
+                                         set_rng_state)
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.determinism import make_deterministic
 from megasparse.train.guard import StepDecision
@@ -118,13 +119,17 @@ def preflight(cfg: Config, world_size: int, resume: str | None = None) -> str | 
             raise UserError(f"logging.wandb: cannot import wandb ({exc}); install it with pip install "
                             "'megasparse[wandb]' or set logging.wandb=false") from None
     if (Path(cfg.data.path) / INDEX_FILE).exists() and not (cfg.data.sources and missing_sources(cfg.data)):
-        windows = usable_windows(cfg, open_prepared(Path(cfg.data.path)))
+        prepared = open_prepared(Path(cfg.data.path))
+        windows = usable_windows(cfg, prepared)
         if cfg.data.sources and not resumes:  # (a resumed run's reads so far are counted once it has loaded them)
             t = cfg.training
             Mixture(cfg.data.sources).check_caps([len(w) for w in windows.train.values()], 0, t.steps,
                                                  t.global_batch_size)
-    else:
+        check_resume(cfg, resume, prepared.vocab_size, prepared.tokenizer_sha256)
+    else:  # everything the data to prepare could be refused for, before it is prepared
         describe_sources(cfg.data)  # the files to prepare it from exist
+        vocab_size, tokenizer_sha256 = check_data_to_prepare(cfg)
+        check_resume(cfg, resume, vocab_size, tokenizer_sha256)
     return fitted
 
 
@@ -218,10 +223,7 @@ class Trainer:
         """The checkpoint to resume from, checked against this run; None to start fresh."""
         directory = self.cfg.checkpoint_dir
         tag_dir = resolve_resume(resume, directory, verify_on_all_ranks, lambda message: _log(f"warning: {message}"))
-        if tag_dir is None:
-            if complete_checkpoints(directory) and resume is None:
-                raise UserError(f"{directory} already holds checkpoints; pass --resume auto to continue, "
-                                "or choose another training.output_dir")
+        if tag_dir is None:  # (checkpoints there without --resume were refused by preflight)
             return None
         meta = CheckpointMeta.read(tag_dir)
         check_compatible(meta, self.cfg, self.data.vocab_size, self.data.tokenizer_sha256, tag_dir)
