@@ -280,7 +280,8 @@ class _ZstdFrames(io.RawIOBase):
             import zstandard
         except ImportError:
             raise UserError("reading .zst files needs the zstandard package: pip install zstandard") from None
-        self._raw, self._decompressor, self._frame, self._out = raw, zstandard.ZstdDecompressor(), None, b""
+        self._raw, self._decompressor, self._frame = raw, zstandard.ZstdDecompressor(), None
+        self._out = memoryview(b"")  # decompressed, not read yet
         self._error = zstandard.ZstdError
 
     def readable(self) -> bool:
@@ -298,7 +299,7 @@ class _ZstdFrames(io.RawIOBase):
                     data = self._raw.read(_CHUNK)
                     if not data:
                         raise EOFError("zstd stream ends inside a frame (the file is cut short)")
-                self._out = self._frame.decompress(data)
+                self._out = memoryview(self._frame.decompress(data))
         except self._error as error:
             raise OSError(f"corrupt zstd stream: {error}") from None
         size = min(len(buffer), len(self._out))
