@@ -17,8 +17,8 @@ prepared with an existing tokenizer (so only reading and tokenising are timed), 
 `megasparse prepare-data` process timed from start to exit (what a user waits), its process tree's resident set
 (the main process and its workers, summed) sampled every 20 ms for the peak. ``--rounds`` alternating rounds of
 every layout at 1 and 2 workers; then ``small-N`` for the counts in ``SCALING_FILES`` at 2 workers (peak memory
-as files grow); then ``resume``: the large files with 1 worker, killed (SIGKILL) once its record says half the
-documents are in, then run again to the end; the overhead is (time until the kill + time of the resumed run) /
+as files grow); then ``resume``: the large files and the small ones with 1 worker, each killed (SIGKILL) at its
+first record past a third of the documents, then run again to the end; the overhead is (time until the kill + time of the resumed run) /
 one uninterrupted run - 1, which counts the process start-up twice, the documents re-read (skipped, not
 tokenised) and the up to 2 s of tokenising since the last record. With ``--before CHECKOUT``, the
 ``small-2400`` layout is prepared once more, with 2 workers, by the megasparse of that checkout (its package on
@@ -162,17 +162,21 @@ def _recorded(staging: Path) -> int:
 
 
 def _killed_and_resumed(files: str, tokenizer: Path, out: Path, documents: int) -> dict:
+    """Killed (SIGKILL) at its first record past a third of the documents (records come every 2 s), then resumed."""
     staging = out.parent / f".{out.name}.staging"
     start = time.perf_counter()
     process = subprocess.Popen(_command(files, tokenizer, out, 1), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
-    while _recorded(staging) < documents // 2 and process.poll() is None:
+    while _recorded(staging) < documents // 3 and process.poll() is None:
         time.sleep(0.02)
+    if process.poll() is not None:
+        raise RuntimeError("the preparation ended before its record passed a third of the documents")
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     until_kill, recorded = time.perf_counter() - start, _recorded(staging)
     resumed = _prepare(files, tokenizer, out, 1)
-    return {"until_kill_s": until_kill, "recorded_documents": recorded, "resumed_s": resumed["seconds"]}
+    return {"until_kill_s": until_kill, "recorded_documents": recorded, "documents": documents,
+            "resumed_s": resumed["seconds"]}
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -193,8 +197,9 @@ def _run(args: argparse.Namespace) -> None:
             runs.append({"layout": layout, "workers": 2, "round": "scaling",
                          **_prepare(files, args.tokenizer, out, 2)})
             print(runs[-1], flush=True)
-        large = next(run for run in runs if run["layout"] == "large")
-        resume = _killed_and_resumed(corpora["large"], args.tokenizer, out, large["documents"])
+        resume = {layout: _killed_and_resumed(corpora[layout], args.tokenizer, out,
+                                              next(run for run in runs if run["layout"] == layout)["documents"])
+                  for layout in ("large", f"small-{SMALL_FILES}")}
         before = None
         if args.before:
             env = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
@@ -242,12 +247,15 @@ def scaling_table(result: dict) -> str:
 
 
 def resume_table(result: dict) -> str:
-    resume, one = result["resume"], _best(result["runs"], "large", 1)
-    total = resume["until_kill_s"] + resume["resumed_s"]
-    return markdown_table(["preparation", "wall time", "tokens/s", "against one uninterrupted run"], "lrrr", [
-        [f"{NAMES['large']}, 1 worker, killed half-way and resumed",
-         f"{resume['until_kill_s']:.1f} + {resume['resumed_s']:.1f} = {total:.1f} s",
-         f"{one['tokens'] / total / 1e3:,.0f} k", f"{one['seconds'] / total:.2f} (overhead {total / one['seconds'] - 1:+.0%})"]])
+    rows = []
+    for layout, resume in result["resume"].items():
+        one = _best(result["runs"], layout, 1)
+        total = resume["until_kill_s"] + resume["resumed_s"]
+        rows.append([f"{NAMES[layout]}, 1 worker", f"{resume['recorded_documents'] / resume['documents']:.0%}",
+                     f"{resume['until_kill_s']:.1f} + {resume['resumed_s']:.1f} = {total:.1f} s", f"{one['seconds']:.1f} s",
+                     f"{total / one['seconds'] - 1:+.0%}"])
+    return markdown_table(["killed, then resumed", "recorded at the kill", "wall time: until the kill + resumed",
+                           "one uninterrupted run", "overhead"], "lrrrr", rows)
 
 
 if __name__ == "__main__":

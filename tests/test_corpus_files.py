@@ -187,9 +187,13 @@ def bad_corpus(directory: Path, texts: list[str]) -> dict[str, str]:
     (directory / "07-binary.txt").write_bytes(b"\x89PNG\x00\x00" * 100)
     (directory / "08-latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 10)
     write_rows(directory / "09-good.parquet", c4_rows(texts[40:50]))
+    corrupt = bytearray(whole)  # a byte of the middle changed: zstd's checksum tells
+    corrupt[len(corrupt) // 2] ^= 0x55
+    (directory / "10-corrupt.jsonl.zst").write_bytes(bytes(corrupt))
     return {"01-empty.jsonl": "empty", "02-__init__.txt": "empty", "03-no-text-field.jsonl": "no row has text in 'text'",
-            "05-truncated.json.gz": "cannot be read to its end", "06-truncated.jsonl.zst": "cannot be read to its end",
-            "07-binary.txt": "looks binary", "08-latin1.txt": "not UTF-8"}
+            "05-truncated.json.gz": "cut short", "06-truncated.jsonl.zst": "cut short",
+            "07-binary.txt": "looks binary", "08-latin1.txt": "not UTF-8",
+            "10-corrupt.jsonl.zst": "cannot be read (corrupt zstd stream"}
 
 
 def test_bad_files_and_rows_are_skipped_counted_and_listed(tmp_path, corpus, dataset):
@@ -201,10 +205,10 @@ def test_bad_files_and_rows_are_skipped_counted_and_listed(tmp_path, corpus, dat
                                             "--set", "data.val_fraction=0"), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: skipped")]
-    assert len(warnings) == 1 and "skipped 7 bad files and 2 bad rows in 1 other file" in warnings[0], result.stderr
+    assert len(warnings) == 1 and "skipped 8 bad files and 2 bad rows in 1 other file" in warnings[0], result.stderr
     assert "01-empty.jsonl: empty" in warnings[0]
     skipped = open_prepared(out).index["skipped"]
-    assert (skipped["files"], skipped["rows"]) == (7, 2)
+    assert (skipped["files"], skipped["rows"]) == (8, 2)
     listed = {Path(entry["file"]).name: entry for entry in skipped["by_file"]}
     assert set(listed) == set(problems) | {"04-broken-lines.jsonl"}
     for name, problem in problems.items():
@@ -215,14 +219,15 @@ def test_bad_files_and_rows_are_skipped_counted_and_listed(tmp_path, corpus, dat
     truncated = [len(list(iter_documents(DataConfig(files=[str(tmp_path / "corpus" / name)]))))
                  for name in ("05-truncated.json.gz", "06-truncated.jsonl.zst")]
     assert truncated[0] < 28 and truncated[1] < 28  # (what was read in whole blocks before the cut)
-    assert documents == 10 + 2 + sum(truncated) + 10
+    corrupt = len(list(iter_documents(DataConfig(files=[str(tmp_path / "corpus" / "10-corrupt.jsonl.zst")]))))
+    assert documents == 10 + 2 + sum(truncated) + 10 + corrupt
 
 
 @pytest.mark.parametrize("name,problem", [
     ("01-empty.jsonl", "empty"), ("03-no-text-field.jsonl", "line 1 has no field 'text'"),
-    ("04-broken-lines.jsonl", "line 2 is not JSON"), ("05-truncated.json.gz", "cannot be read to its end"),
+    ("04-broken-lines.jsonl", "line 2 is not JSON"), ("05-truncated.json.gz", "cut short"),
     ("06-truncated.jsonl.zst", "zstd stream ends inside a frame"), ("07-binary.txt", "looks binary"),
-    ("08-latin1.txt", "not UTF-8"),
+    ("08-latin1.txt", "not UTF-8"), ("10-corrupt.jsonl.zst", "corrupt zstd stream"),
 ])
 def test_strict_mode_refuses_each_bad_file_in_one_line(tmp_path, corpus, dataset, name, problem):
     bad_corpus(tmp_path / "corpus", documents_of(corpus))
@@ -265,13 +270,20 @@ def test_code_files_are_one_document_each_under_document_file(tmp_path):
         list(iter_documents(DataConfig(files=[str(tmp_path / "x.parquet.gz")])))
 
 
+@pytest.mark.parametrize("read_by", ["workers", "main process"])
 def test_an_interrupted_preparation_of_many_files_passes_over_the_files_it_finished(tmp_path, corpus, dataset,
-                                                                                     monkeypatch):
-    """Interrupted part-way through 400 files (recording after every file), then the files its record finished
+                                                                                     monkeypatch, read_by):
+    """Interrupted part-way through 400 files (recording after every piece), then the files its record finished
     replaced by other text of the same size and time: the resumed run does not open them (it ends with the bytes
-    of an uninterrupted run, which a run re-reading them to skip their documents would not). A kill is tested in
-    test_prepare_resume.py."""
+    of an uninterrupted run, which a run re-reading them to skip their documents would not). Files read whole by
+    the workers are recorded between files; files streamed by the main process (as a large one is) also within
+    one, whose recorded documents the resumed run skips. A kill is tested in test_prepare_resume.py."""
+    import megasparse.data.encoding as encoding
     import megasparse.data.prepare as prepare
+
+    if read_by == "main process":  # every file streamed, 8 documents a piece
+        monkeypatch.setattr(encoding, "FILE_TASK_TEXT_BYTES", 0)
+        monkeypatch.setattr(encoding, "DOCUMENTS_PER_TASK", 8)
 
     texts = documents_of(corpus)
     files = tmp_path / "files"
@@ -283,12 +295,12 @@ def test_an_interrupted_preparation_of_many_files_passes_over_the_files_it_finis
     whole = prepare_data(cfg, progress=False).directory
     cfg.path = str(tmp_path / "interrupted")
     monkeypatch.setattr(prepare, "COMMIT_SECONDS", 0.0)
-    monkeypatch.setattr(prepare, "ShardWriter", _interrupted_at_write(prepare.ShardWriter, 20 * 150))
+    monkeypatch.setattr(prepare, "ShardWriter", _interrupted_at_write(prepare.ShardWriter, 20 * 150 + 10))
     with pytest.raises(KeyboardInterrupt):
         prepare_data(cfg, progress=False)
-    monkeypatch.undo()
+    monkeypatch.setattr(prepare, "ShardWriter", prepare.ShardWriter.__mro__[1])
     finished, within = json.loads((tmp_path / ".interrupted.staging" / PROGRESS_FILE).read_text())["input"]
-    assert 100 <= finished < 200 and within == 0
+    assert 100 <= finished < 200 and (within > 0) == (read_by == "main process"), (finished, within)
     for path in sorted(files.iterdir())[:finished]:  # other paragraphs, the same size and time
         stat = path.stat()
         path.write_text(("z\n\n" * stat.st_size)[:stat.st_size])

@@ -193,7 +193,7 @@ class HubReading(FileReading):
             for number, row in enumerate(stream, 1):
                 if (text := self.row_text(row, f"row {number}")) is not None:
                     yield text
-        except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError, ConnectionError) as exc:
+        except (datasets.exceptions.DatasetNotFoundError, OSError) as exc:  # (network errors too: fatal, not a bad file)
             raise UserError(f"cannot read data: {_first_line(exc)}") from None
         except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
             raise UserError(f"cannot parse data: {_first_line(exc)}") from None

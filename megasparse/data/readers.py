@@ -122,8 +122,10 @@ class FileReading:
             self._bad_file(str(problem))
         except UnicodeDecodeError as error:
             self._bad_file(f"not UTF-8 text ({error.reason}: {error.object[error.start]:#04x})")
-        except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:  # cut short, corrupt
-            self._bad_file(f"cannot be read to its end: {_first_line(error)}")
+        except EOFError as error:
+            self._bad_file(f"cut short ({_first_line(error)})")
+        except (OSError, zlib.error, lzma.LZMAError) as error:  # corrupt, unreadable
+            self._bad_file(f"cannot be read ({_first_line(error)})")
         if not given and self.skipped_rows and not self.problem:
             self._bad_file(f"no row has text in '{self.text_field}' ({self.first_bad_row})")
 
