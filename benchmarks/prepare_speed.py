@@ -21,8 +21,8 @@ as files grow); then ``resume``: the large files and the small ones with 1 worke
 first record past a third of the documents, then run again to the end; the overhead is (time until the kill + time of the resumed run) /
 one uninterrupted run - 1, which counts the process start-up twice, the documents re-read (skipped, not
 tokenised) and the up to 2 s of tokenising since the last record. With ``--before CHECKOUT``, the
-``small-2400`` layout is prepared once more, with 2 workers, by the megasparse of that checkout (its package on
-``PYTHONPATH``), for the before column.
+``small-2400`` layout is prepared once more, with 2 workers, by the megasparse of that checkout, for the before
+row. Every preparation runs in the checkout whose code it measures, with that checkout on ``PYTHONPATH``.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import benchmark_main, markdown_table, write_report  # noqa: E402
+from common import REPO, benchmark_main, markdown_table, write_report  # noqa: E402
 
 LARGE_FILES = 8
 SMALL_FILES = 2400
@@ -129,11 +129,13 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def _prepare(files: str, tokenizer: Path, out: Path, workers: int, env: dict[str, str] | None = None) -> dict:
-    """One preparation: its wall time, token count and the process tree's peak resident set."""
+def _prepare(files: str, tokenizer: Path, out: Path, workers: int, code: Path = REPO) -> dict:
+    """One preparation by the megasparse of checkout ``code`` (run there, with it on ``PYTHONPATH``: ``python -m``
+    puts the working directory first on the path): its wall time, token count and the process tree's peak
+    resident set."""
     start = time.perf_counter()
     process = subprocess.Popen(_command(files, tokenizer, out, workers), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, env=env)
+                               stderr=subprocess.PIPE, cwd=code, env={**os.environ, "PYTHONPATH": str(code)})
     peak = [0]
 
     def sample() -> None:
@@ -166,7 +168,8 @@ def _killed_and_resumed(files: str, tokenizer: Path, out: Path, documents: int) 
     staging = out.parent / f".{out.name}.staging"
     start = time.perf_counter()
     process = subprocess.Popen(_command(files, tokenizer, out, 1), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+                               stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
     while _recorded(staging) < documents // 3 and process.poll() is None:
         time.sleep(0.02)
     if process.poll() is not None:
@@ -202,9 +205,8 @@ def _run(args: argparse.Namespace) -> None:
                   for layout in ("large", f"small-{SMALL_FILES}")}
         before = None
         if args.before:
-            env = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
             before = {"layout": f"small-{SMALL_FILES}", "workers": 2, "checkout": str(args.before),
-                      **_prepare(corpora[f"small-{SMALL_FILES}"], args.tokenizer, out, 2, env)}
+                      **_prepare(corpora[f"small-{SMALL_FILES}"], args.tokenizer, out, 2, args.before.resolve())}
             print(before, flush=True)
     result = {"runs": runs, "resume": resume, "before": before}
     print(table(result))

@@ -92,7 +92,8 @@ BENCHMARKS = {
     "mask_codes": "a sparse layer's mask as bits or offsets: bytes, and the time to list and store its positions",
     "inference_speed": "a factored export's prefill and decode speed against the dense export",
     "loader_memory": "the loader's host memory and time to the first batch against the corpus size",
-    "prepare_speed": "prepare-data's tokens/s per worker, 1 against 2 workers, and a kill half-way's cost",
+    "prepare_speed": "prepare-data's tokens/s by corpus layout (large, thousands of small, compressed, parquet files) and "
+                     "worker count, peak memory as files grow, and a kill's cost",
     "mixture_shares": "a data mixture's realised shares against its weights after 10^3, 10^5 and 10^6 samples",
     "hybrid_forward": "W = A B + S: composing W once per pass against adding the two branches' products",
     "hybrid_experiment": "W = A B + S against dense, low-rank and sparse at one parameter budget on WikiText-2",
@@ -240,6 +241,8 @@ TABLES: dict[str, Callable[[], str]] = {
        for name in ("host_syncs", "host_syncs_before")},
     "lowrank_init": lambda: lowrank_init.table(result("lowrank_init")),
     "prepare_speed": lambda: prepare_speed.table(result("prepare_speed")),
+    "prepare_speed.scaling": lambda: prepare_speed.scaling_table(result("prepare_speed")),
+    "prepare_speed.resume": lambda: prepare_speed.resume_table(result("prepare_speed")),
     "mixture_shares": lambda: mixture_shares.table(result("mixture_shares")["runs"]),
     "hybrid_forward": lambda: hybrid_forward.table(result("hybrid_forward")["results"]),
     "hybrid_experiment": lambda: hybrid_experiment.table(result("hybrid_experiment")["runs"]),
