@@ -114,7 +114,7 @@ MEASURED_AT = {
     "lowrank_init.json": ("9c250c9 (2026-12-02)", None),
     "lowrank_speed.json": ("addc1bb (2026-12-02)", None),
     "peers.json": ("3ce9594 (2026-12-01)", None),
-    "prepare_speed.json": ("RESULTS (2026-12-04)", "7b3f453; its before row a716d84"),
+    "prepare_speed.json": ("7b22202 (2026-12-04)", "7b3f453; its before row a716d84"),
     "hybrid_experiment.json": ("33d1be8 (2026-12-03)", None),
     "hybrid_experiment_posthoc.json": ("33d1be8 (2026-12-03)", None),
     "hybrid_forward.json": ("bfd8cac (2026-12-03)", None),
