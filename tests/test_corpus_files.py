@@ -324,11 +324,55 @@ def _interrupted_at_write(writer_class, writes: int):
     return Writer
 
 
-def test_the_budget_stops_the_training_text_and_the_validation_files_are_still_read(tmp_path, corpus, dataset):
-    files = sorted(corpus.glob("*.txt"))
-    data = prepare_data(DataConfig(path=str(tmp_path / "out"), files=[str(p) for p in files[:3]],
-                                   val_files=[str(files[3])], tokenizer=str(dataset / "tokenizer.model"), workers=2,
-                                   max_tokens=2000), progress=False)
-    splits = data.index["splits"]
-    assert 2000 <= splits["train"]["tokens"] < 4000
-    assert splits["val"]["documents"] == len(list(iter_documents(DataConfig(files=[str(files[3])]))))
+@pytest.mark.parametrize("read_by", ["workers, a file a task", "main process"])
+def test_a_budget_ends_the_training_text_the_same_way_on_any_number_of_workers(tmp_path, corpus, dataset, monkeypatch,
+                                                                               read_by):
+    """data.max_tokens reached in the second of four files: the validation files are still read whole, and the
+    bad files after the budget are neither read for their documents nor listed, so index.json (and every shard)
+    is the same on 1 and 2 workers, however far the workers read ahead."""
+    import megasparse.data.encoding as encoding
+
+    if read_by == "main process":
+        monkeypatch.setattr(encoding, "FILE_TASK_TEXT_BYTES", 0)
+    else:
+        monkeypatch.setattr(encoding, "TASK_TEXT_BYTES", 0)
+    texts = documents_of(corpus)
+    files = tmp_path / "files"
+    files.mkdir()
+    for number in range(4):
+        (files / f"{number}-good.txt").write_text("\n\n".join(texts[number * 100:(number + 1) * 100]))
+    (files / "5-empty.txt").write_bytes(b"")
+    (files / "6-binary.txt").write_bytes(b"\x00" * 10)
+    validation = tmp_path / "validation.txt"
+    validation.write_text("\n\n".join(texts[400:450]))
+    first = len(list(iter_documents(DataConfig(files=[str(files / "0-good.txt")]))))
+    tokens = sum(len(load_tokenizer(dataset / "tokenizer.model").encode(text)) + 1 for text in texts[:first])
+    outputs = []
+    for workers in (1, 2):
+        out = tmp_path / f"data-{workers}"
+        data = prepare_data(DataConfig(path=str(out), files=[str(files / "*")], val_files=[str(validation)],
+                                       tokenizer=str(dataset / "tokenizer.model"), workers=workers,
+                                       max_tokens=tokens + 50), progress=False)
+        splits = data.index["splits"]
+        assert first < splits["train"]["documents"] < 2 * first + 10 and splits["val"]["documents"] == 50
+        assert data.index["skipped"] == {"files": 0, "rows": 0, "by_file": []}
+        outputs.append({name: (out / name).read_bytes() for name in ("index.json", "train-00000.bin", "val-00000.bin")})
+    assert outputs[0] == outputs[1]
+
+
+def test_a_hub_stream_that_breaks_is_fatal_not_a_bad_file(monkeypatch):
+    """A network error or a broken remote shard in the middle of a hub dataset stops the preparation in one line;
+    the rest of the stream is never skipped as a bad file's would be."""
+    import datasets
+
+    class Stream:
+        column_names = ["text"]
+
+        def __iter__(self):
+            yield {"text": "one"}
+            yield {"text": "two"}
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: Stream())
+    with pytest.raises(UserError, match="cannot read hub dataset 'hf:some/corpus:train': EOFError: Compressed file"):
+        list(iter_documents(DataConfig(hf_dataset="some/corpus")))

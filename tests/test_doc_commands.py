@@ -127,8 +127,8 @@ def checks(shown: Shown) -> tuple[str, ...] | None:
     if words[0].startswith("launchers/"):
         return _dry(words)
     command = words[words.index("megasparse") + 1:]
-    if command[:1] == ("launch",) and command[1:2] != ("hostfile",):
-        return _dry(command)
+    if command[:1] == ("launch",) and command[1:2] != ("hostfile",):  # (a checkpoint to resume is the user's)
+        return _dry(tuple(_without_resume(command)) if "--resume" in command and "auto" not in command else command)
     if command[:1] == ("plan",):  # cheap: run as shown
         return command
     if command[:1] == ("train",) and command[1] in shipped_configs():

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import lzma
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from megasparse.config import DataConfig, SourceConfig
-from megasparse.data.readers import Document, FileKind, FileReading, file_kind
+from megasparse.data.readers import Document, FileKind, FileReading, Reading, file_kind, first_line
 from megasparse.data.shards import INDEX_FILE, open_prepared
 from megasparse.errors import UserError
 
@@ -117,7 +119,7 @@ def _file_inputs(patterns: list[str], document: Document, key: str, validation: 
             for path in expand_files(patterns, document, key)]
 
 
-def open_reading(cfg: DataConfig, source: Input) -> FileReading:
+def open_reading(cfg: DataConfig, source: Input) -> Reading:
     """A reading of ``source``'s documents under ``cfg``'s text field and bad-input rule."""
     strict = cfg.on_bad_file == "error"
     if source.path is None:
@@ -144,11 +146,12 @@ def stdlib_dir() -> Path:
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's own modules (no tests, no third-party site-packages)."""
+    """The standard library's own modules (no tests, no third-party site-packages, no empty ``__init__.py``)."""
     root = stdlib_dir()
     files = [
         path for path in root.rglob("*.py")
         if not any(part in _SKIPPED_STDLIB_DIRS or part.startswith("test") for part in path.relative_to(root).parts)
+        and path.stat().st_size > 0
     ]
     if not files:
         raise UserError(f"embedded corpus: no Python sources under {root}; give data.files instead")
@@ -172,12 +175,12 @@ def expand_files(patterns: list[str], document: Document, key: str) -> list[Path
     return files
 
 
-class HubReading(FileReading):
-    """A reading of the hub dataset ``data.hf_dataset``, streamed (``datasets.load_dataset(streaming=True)``);
-    its rows are checked as a file's are, and a failure to reach it is fatal."""
+class HubReading(Reading):
+    """A reading of the hub dataset ``data.hf_dataset``, streamed (``datasets.load_dataset(streaming=True)``); its
+    rows are checked as a file's are, and any failure to read it is fatal (the rest of a stream is never skipped)."""
 
     def __init__(self, cfg: DataConfig, strict: bool) -> None:
-        super().__init__(Path(hub_name(cfg)), None, cfg.text_field, cfg.document, strict)
+        super().__init__(hub_name(cfg), f"hub dataset '{hub_name(cfg)}'", cfg.text_field, strict)
         self.cfg = cfg
 
     def _rows(self) -> Iterator[str]:
@@ -193,12 +196,9 @@ class HubReading(FileReading):
             for number, row in enumerate(stream, 1):
                 if (text := self.row_text(row, f"row {number}")) is not None:
                     yield text
-        except (datasets.exceptions.DatasetNotFoundError, OSError) as exc:  # (network errors too: fatal, not a bad file)
-            raise UserError(f"cannot read data: {_first_line(exc)}") from None
-        except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
-            raise UserError(f"cannot parse data: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
+        except datasets.exceptions.DatasetNotFoundError as exc:
+            raise UserError(f"cannot read data: {first_line(exc)}") from None
+        # a network error (OSError), a broken remote file: the rest of the stream is not skipped
+        except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError,
+                datasets.exceptions.DatasetGenerationError) as exc:
+            raise UserError(f"cannot read {self.name}: {type(exc).__name__}: {first_line(exc)}") from None

@@ -23,7 +23,7 @@ import numpy as np
 
 from megasparse.config import DataConfig
 from megasparse.data.corpus import Input, open_reading
-from megasparse.data.readers import FileReading
+from megasparse.data.readers import FileReading, Reading
 from megasparse.data.tokenizer import encode_documents, init_worker
 
 FILE_TASK_TEXT_BYTES = 16 << 20  # a file of up to this much text is read by a worker
@@ -39,7 +39,7 @@ class Piece:
     input: int
     tokens: np.ndarray
     lengths: np.ndarray
-    reading: FileReading | None
+    reading: Reading | None
 
     def documents(self) -> Iterator[np.ndarray]:
         ends = np.cumsum(self.lengths)
@@ -55,7 +55,8 @@ class _FilesTask:
 def encoded_pieces(cfg: DataConfig, inputs: list[Input], start: tuple[int, int], tokenizer: Path,
                    passed_over: Callable[[Input], bool]) -> Iterator[Piece]:
     """The pieces of ``inputs`` from ``start`` (an input's position, and how many of its documents to skip) on,
-    over ``data.workers`` processes; an input for which ``passed_over`` holds when its turn comes is not read."""
+    over ``data.workers`` processes; an input for which ``passed_over`` holds when its turn comes is not read (one
+    read by the main process stops being read once it holds)."""
     order: collections.deque = collections.deque()  # for each task in order: its inputs, or (input, reading)
 
     def tasks() -> Iterator[_FilesTask | list[str]]:
@@ -74,7 +75,9 @@ def encoded_pieces(cfg: DataConfig, inputs: list[Input], start: tuple[int, int],
                 continue
             reading = open_reading(cfg, source)
             skip = start[1] if index == start[0] else 0
-            batches = _batched(itertools.islice(reading.documents(), skip, None), DOCUMENTS_PER_TASK)
+            documents = itertools.takewhile(lambda _: not passed_over(source),
+                                            itertools.islice(reading.documents(), skip, None))
+            batches = _batched(documents, DOCUMENTS_PER_TASK)
             for batch, last in _marking_the_last(batches):
                 order.append((index, reading if last else None))
                 yield batch
@@ -94,7 +97,7 @@ def encoded_pieces(cfg: DataConfig, inputs: list[Input], start: tuple[int, int],
                 yield Piece(task[0], *results[0][:2], task[1])
 
 
-def _encode(task: _FilesTask | list[str]) -> list[tuple[np.ndarray, np.ndarray, FileReading | None]]:
+def _encode(task: _FilesTask | list[str]) -> list[tuple[np.ndarray, np.ndarray, Reading | None]]:
     """A task's documents tokenised and joined, one entry per file with its finished reading (one entry, and no
     reading, for a batch of documents)."""
     if not isinstance(task, _FilesTask):

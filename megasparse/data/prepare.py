@@ -35,7 +35,7 @@ from typing import Any
 from megasparse.config import DataConfig
 from megasparse.data.corpus import Input, describe_sources, iter_documents, open_reading, source_inputs
 from megasparse.data.encoding import encoded_pieces
-from megasparse.data.readers import FileReading
+from megasparse.data.readers import Reading
 from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, ShardWriter, open_prepared, write_index
 from megasparse.data.tokenizer import (BYTES_PER_TOKEN, file_sha256, load_tokenizer, token_dtype, train_tokenizer,
                                        training_sample, up_to_bytes)
@@ -206,9 +206,12 @@ def _build(cfg: DataConfig, inputs: list[Input], staging: Path, settings: dict[s
                 writers["val" if held_out else "train"].write(ids)
                 position["documents"] += 1
                 check_budgets()
-        position["input"] = [piece.input + 1, 0] if piece.reading else [piece.input, position["input"][1] +
-                                                                         len(piece.lengths)]
-        position["skipped"] += _skipped(piece.reading) if piece.reading else []
+        within = position["input"][1] if position["input"][0] == piece.input else 0
+        position["input"] = [piece.input + 1, 0] if piece.reading else [piece.input, within + len(piece.lengths)]
+        # what an input skipped, listed once it is read whole, unless the budget ended the training text in it or
+        # before it (how far such an input is read depends on the workers' timing; its documents are not used)
+        listed = piece.reading and (validation or not training_done.is_set())
+        position["skipped"] += _skipped(piece.reading) if listed else []
         bar.set_postfix(tokens=f"{writers['train'].tokens + writers['val'].tokens:,}")
         bar.update(len(piece.lengths))
         if training_done.is_set() and not validation_inputs:
@@ -235,11 +238,11 @@ def _build(cfg: DataConfig, inputs: list[Input], staging: Path, settings: dict[s
     })
 
 
-def _skipped(reading: FileReading) -> list[dict[str, Any]]:
+def _skipped(reading: Reading) -> list[dict[str, Any]]:
     """What a finished reading skipped, as the index lists it: nothing, or one entry."""
     if not reading.problem and not reading.skipped_rows:
         return []
-    return [{"file": str(reading.path), "problem": reading.problem, "rows": reading.skipped_rows,
+    return [{"file": reading.source, "problem": reading.problem, "rows": reading.skipped_rows,
              "first_bad_row": reading.first_bad_row}]
 
 
@@ -251,7 +254,8 @@ def skipped_warning(index: dict[str, Any]) -> str | None:
     files, rows = index["skipped"]["files"], index["skipped"]["rows"]
     with_rows = len(entries) - files
     what = [f"{files:,} bad file{'s' * (files != 1)}"] if files else []
-    what += [f"{rows:,} bad row{'s' * (rows != 1)} in {with_rows:,} other file{'s' * (with_rows != 1)}"] if rows else []
+    what += [f"{rows:,} bad row{'s' * (rows != 1)} in {with_rows:,} {'other ' * bool(files)}file{'s' * (with_rows != 1)}"
+             ] if rows else []
     first = "; ".join(f"{entry['file']}: " + (entry["problem"] or f"{entry['rows']:,} bad rows, first {entry['first_bad_row']}")
                       for entry in entries[:3])
     return (f"warning: skipped {' and '.join(what)} ({first}{'; ...' if len(entries) > 3 else ''}); index.json lists "

@@ -97,9 +97,7 @@ def _index(out: Path) -> dict:
 def _mixture_tokenizer(cfg: DataConfig, out: Path) -> Path:
     """``out/tokenizer.model``, made first by whichever preparation gets here first (others wait on the lock)."""
     tokenizer, lock_path = out / TOKENIZER_FILE, out / ".tokenizer.lock"
-    prepared = [s for s in cfg.sources if s.path]
-    given = Path(cfg.tokenizer) if cfg.tokenizer else \
-        open_prepared(Path(prepared[0].path)).tokenizer_path if prepared else None
+    given = given_tokenizer(cfg)
     with lock_path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -120,6 +118,14 @@ def _mixture_tokenizer(cfg: DataConfig, out: Path) -> Path:
             return tokenizer
         finally:
             lock_path.unlink(missing_ok=True)
+
+
+def given_tokenizer(cfg: DataConfig) -> Path | None:
+    """The tokenizer a dataset's settings give: ``data.tokenizer``, else (a mixture) that of its sources prepared
+    already; None: one is trained."""
+    prepared = [s for s in cfg.sources if s.path]
+    return Path(cfg.tokenizer) if cfg.tokenizer else \
+        open_prepared(Path(prepared[0].path)).tokenizer_path if prepared else None
 
 
 def _check_kept(tokenizer: Path, given: Path | None, vocab_size: int) -> None:

@@ -47,8 +47,8 @@ WHOLE_FILE_SUFFIXES = (
     ".yaml", ".yml", ".toml", ".ini", ".cfg", ".proto", ".cmake", ".mk", ".vim", ".el",
 )
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bzip2", ".xz": "xz"}
-# how many bytes of text a byte of a file holds, to judge its size before reading it
-EXPANSION = {"": 1, "gzip": 4, "zstd": 4, "bzip2": 5, "xz": 5}
+# how many bytes of text a byte of a file holds, to judge its size before reading it (parquet: its own compression)
+EXPANSION = {"": 1, "gzip": 4, "zstd": 4, "bzip2": 5, "xz": 5, "parquet": 3}
 _CHUNK = 1 << 20  # characters (text) or bytes (compressed input) read at a time
 _BINARY_WINDOW = 1 << 16  # a NUL among the first this many characters: a binary file
 
@@ -63,7 +63,7 @@ class FileKind:
 
     @property
     def text_bytes_per_byte(self) -> int:
-        return EXPANSION[self.compression]
+        return EXPANSION["parquet" if self.format == "parquet" else self.compression]
 
 
 def supported_suffixes() -> str:
@@ -99,19 +99,21 @@ class BadFile(Exception):
     """The file cannot be read (further): the reason."""
 
 
-class FileReading:
-    """One reading of a file's documents (:meth:`documents`), keeping what it skipped: ``skipped_rows`` rows (the
-    first one's reason in ``first_bad_row``) and, for a bad file, ``problem``. With ``strict``, a bad row or file
-    raises a one-line UserError instead."""
+class Reading:
+    """One reading of a source's documents (:meth:`documents`), its rows checked: a row without text is skipped and
+    counted (``skipped_rows``, the first one's reason in ``first_bad_row``), and a bad source (:class:`BadFile`
+    from :meth:`_rows`) ends the documents, its reason kept in ``problem``. With ``strict``, either raises a
+    one-line UserError instead."""
 
-    def __init__(self, path: Path, kind: FileKind | None, text_field: str, document: Document, strict: bool) -> None:
-        self.path, self.kind, self.text_field, self.document, self.strict = path, kind, text_field, document, strict
+    def __init__(self, source: str, name: str, text_field: str, strict: bool) -> None:
+        self.source, self.name = source, name  # what it reads (a path, a hub dataset); how messages name it
+        self.text_field, self.strict = text_field, strict
         self.skipped_rows = 0
         self.first_bad_row = ""
         self.problem = ""
 
     def documents(self) -> Iterator[str]:
-        """The file's non-blank documents, in order; a bad file ends them early."""
+        """The non-blank documents, in order; a bad source ends them early."""
         given = 0
         try:
             for document in self._rows():
@@ -120,14 +122,11 @@ class FileReading:
                     yield document
         except BadFile as problem:
             self._bad_file(str(problem))
-        except UnicodeDecodeError as error:
-            self._bad_file(f"not UTF-8 text ({error.reason}: {error.object[error.start]:#04x})")
-        except EOFError as error:
-            self._bad_file(f"cut short ({_first_line(error)})")
-        except (OSError, zlib.error, lzma.LZMAError) as error:  # corrupt, unreadable
-            self._bad_file(f"cannot be read ({_first_line(error)})")
         if not given and self.skipped_rows and not self.problem:
             self._bad_file(f"no row has text in '{self.text_field}' ({self.first_bad_row})")
+
+    def _rows(self) -> Iterator[str]:
+        raise NotImplementedError
 
     def row_text(self, row: object, where: str) -> str | None:
         """The text of a row (a mapping), or None: the row is skipped and counted."""
@@ -139,24 +138,38 @@ class FileReading:
             reason = f"{where}: '{self.text_field}' holds {type(row[self.text_field]).__name__}, not text"
         else:
             return row[self.text_field]
-        self._skip_row(reason)
+        self.skip_row(reason)
         return None
 
-    def _skip_row(self, reason: str) -> None:
+    def skip_row(self, reason: str) -> None:
         if self.strict:
-            raise UserError(f"data file '{self.path}': {reason} (data.on_bad_file: error; 'skip' skips such rows "
-                            "and counts them)")
+            raise UserError(f"{self.name}: {reason} (data.on_bad_file: error; 'skip' skips such rows and counts "
+                            "them)")
         self.skipped_rows += 1
         self.first_bad_row = self.first_bad_row or reason
 
-    def _rows(self) -> Iterator[str]:
-        return self._parquet_rows() if self.kind.format == "parquet" else self._text_rows()
-
     def _bad_file(self, problem: str) -> None:
         if self.strict:
-            raise UserError(f"data file '{self.path}': {problem} (data.on_bad_file: error; 'skip' skips it and "
-                            "counts it)")
+            raise UserError(f"{self.name}: {problem} (data.on_bad_file: error; 'skip' skips it and counts it)")
         self.problem = problem
+
+
+class FileReading(Reading):
+    """A reading of a local file of kind ``kind`` (one document per file with ``document: file``)."""
+
+    def __init__(self, path: Path, kind: FileKind, text_field: str, document: Document, strict: bool) -> None:
+        super().__init__(str(path), f"data file '{path}'", text_field, strict)
+        self.path, self.kind, self.document = path, kind, document
+
+    def _rows(self) -> Iterator[str]:
+        try:
+            yield from self._parquet_rows() if self.kind.format == "parquet" else self._text_rows()
+        except UnicodeDecodeError as error:
+            raise BadFile(f"not UTF-8 text ({error.reason}: {error.object[error.start]:#04x})") from None
+        except EOFError as error:
+            raise BadFile(f"cut short ({first_line(error)})") from None
+        except (OSError, zlib.error, lzma.LZMAError) as error:  # corrupt, unreadable
+            raise BadFile(f"cannot be read ({first_line(error)})") from None
 
     def _text_rows(self) -> Iterator[str]:
         """The documents of a text or JSON file: decompressed, decoded (universal newlines), first block checked."""
@@ -172,36 +185,41 @@ class FileReading:
             yield from self._json_rows(text) if self.kind.format == "json" else self._text_documents(text)
 
     def _text_documents(self, text: IO[str]) -> Iterator[str]:
+        """The paragraphs (or, with ``document: file``, the whole text), holding one paragraph at a time."""
         if self.document == "file" or self.kind.whole_file_only:
             yield text.read()
             return
-        carried = ""
-        while chunk := text.read(_CHUNK):
-            parts = (carried + chunk).split("\n\n")
-            carried = parts.pop()
-            yield from parts
-        yield carried
+        pending: list[str] = []  # the paragraph being read, in blocks (joined once: no quadratic copying)
+        while block := text.read(_CHUNK):
+            if "\n\n" not in block and not (pending and pending[-1].endswith("\n") and block.startswith("\n")):
+                pending.append(block)
+                continue
+            paragraphs = ("".join(pending) + block).split("\n\n")
+            pending = [paragraphs.pop()]
+            yield from paragraphs
+        yield "".join(pending)
 
     def _json_rows(self, text: IO[str]) -> Iterator[str]:
-        first = text.read(1)
-        while first.isspace():
-            first = text.read(1)
-        if first == "[":  # one JSON array of objects
-            try:
-                rows = json.loads(first + text.read())
-            except ValueError as error:
-                raise BadFile(f"neither JSON lines nor one JSON array: {_first_line(error)}") from None
-            for number, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
-                if (document := self.row_text(row, f"item {number}")) is not None:
-                    yield document
-            return
-        for number, line in enumerate(_Continued(first, text), 1):
+        """One row per line, or the items of one JSON array (a first non-blank line starting with '[')."""
+        started = False
+        for number, line in enumerate(text, 1):
             if not line.strip():
                 continue
+            if not started and line.lstrip().startswith("["):
+                content = line + text.read()
+                try:
+                    items = json.loads(content)
+                except ValueError as error:
+                    raise BadFile(f"neither JSON lines nor one JSON array: {first_line(error)}") from None
+                for item, row in enumerate(items, 1):
+                    if (document := self.row_text(row, f"item {item}")) is not None:
+                        yield document
+                return
+            started = True
             try:
                 row = json.loads(line)
             except ValueError:
-                self._skip_row(f"line {number} is not JSON")
+                self.skip_row(f"line {number} is not JSON")
                 continue
             if (document := self.row_text(row, f"line {number}")) is not None:
                 yield document
@@ -213,7 +231,7 @@ class FileReading:
         try:
             table = pq.ParquetFile(self.path)
         except (pa.ArrowException, OSError) as error:
-            raise BadFile(f"not a readable parquet file: {_first_line(error)}") from None
+            raise BadFile(f"not a readable parquet file: {first_line(error)}") from None
         try:
             names = table.schema_arrow.names
             if self.text_field not in names:
@@ -225,40 +243,9 @@ class FileReading:
                     if (document := self.row_text({self.text_field: value}, f"row {number}")) is not None:
                         yield document
         except (pa.ArrowException, OSError) as error:
-            raise BadFile(f"not a readable parquet file: {_first_line(error)}") from None
+            raise BadFile(f"not a readable parquet file: {first_line(error)}") from None
         finally:
             table.close()
-
-
-class _Continued(io.TextIOBase):
-    """A text stream whose first characters were read already: ``head``, then the rest of ``stream``."""
-
-    def __init__(self, head: str, stream: IO[str]) -> None:
-        self._head, self._stream = head, stream
-
-    def read(self, size: int | None = -1) -> str:
-        if size is None or size < 0:
-            head, self._head = self._head, ""
-            return head + self._stream.read()
-        if self._head:
-            head, self._head = self._head[:size], self._head[size:]
-            return head
-        return self._stream.read(size)
-
-    def readline(self, size: int = -1) -> str:
-        if self._head:
-            line, newline, rest = self._head.partition("\n")
-            if newline:
-                self._head = rest
-                return line + newline
-            self._head = ""
-            return line + self._stream.readline()
-        return self._stream.readline()
-
-    def __iter__(self) -> Iterator[str]:
-        while self._head:
-            yield self.readline()
-        yield from self._stream
 
 
 def _decompressed(path: Path, compression: str) -> IO[bytes]:
@@ -314,6 +301,7 @@ class _ZstdFrames(io.RawIOBase):
         super().close()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An exception's message, its first line only."""
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0]

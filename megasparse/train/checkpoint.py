@@ -70,7 +70,7 @@ def check_resume(cfg: Config, resume: str | None, vocab_size: int | None, tokeni
     try:
         meta = CheckpointMeta.read(tag_dir)
     except UserError:
-        if resume == "auto":  # a damaged newest checkpoint: the run skips it (with a warning) for an older one
+        if tag_dir != Path(resume):  # the newest of several, damaged: the run skips it (with a warning) for another
             return
         raise
     check_compatible(meta, cfg, vocab_size, tokenizer_sha256, tag_dir)

@@ -11,7 +11,7 @@ from megasparse.config import Config
 from megasparse.data.corpus import describe_sources
 from megasparse.data.loader import PretrainingBatches
 from megasparse.data.mixture import Mixture
-from megasparse.data.prepare_mixture import missing_sources, prepare_dataset
+from megasparse.data.prepare_mixture import given_tokenizer, missing_sources, prepare_dataset
 from megasparse.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedData, TokenWindows, open_prepared
 from megasparse.data.tokenizer import file_sha256, load_tokenizer
 from megasparse.errors import UserError
@@ -43,15 +43,14 @@ def check_data_to_prepare(cfg: Config) -> tuple[int, str | None]:
     SHA-256 that the data will have (the tokenizer given or kept, else ``data.vocab_size`` and a hash not known
     until it is trained)."""
     data, tp = cfg.data, cfg.parallel.tensor_parallel
-    prepared_sources = [s for s in data.sources if s.path]
     kept = Path(data.path) / TOKENIZER_FILE  # a mixture prepared in part keeps its tokenizer there
-    tokenizer = Path(data.tokenizer) if data.tokenizer else kept if data.sources and kept.is_file() else \
-        open_prepared(Path(prepared_sources[0].path)).tokenizer_path if prepared_sources else None
+    tokenizer = given_tokenizer(data) or (kept if data.sources and kept.is_file() else None)
     vocab_size, sha256 = (load_tokenizer(tokenizer).vocab_size(), file_sha256(tokenizer)) if tokenizer else \
         (data.vocab_size, None)
     if vocab_size % tp:
         raise UserError(f"parallel.tensor_parallel={tp} does not divide the vocabulary size {vocab_size} of the "
-                        f"data to prepare ({tokenizer or 'data.vocab_size'}); choose a data.vocab_size it divides")
+                        f"data to prepare ({f'the tokenizer {tokenizer}' if tokenizer else 'data.vocab_size'}); "
+                        f"choose {'a tokenizer' if tokenizer else 'a data.vocab_size'} whose size it divides")
     held_out = [not source.val_files for source in data.sources if not source.path] if data.sources else \
         [not data.val_files]
     if cfg.training.eval_samples and data.val_fraction == 0 and any(held_out):
