@@ -40,8 +40,10 @@ setup(
         "bench": ["matplotlib"],
         "plot": ["matplotlib"],
         "hf": ["transformers"],  # megasparse generate
-        # transformers, protobuf: HF export/import tests; wandb, tensorboard: their logging tests; matplotlib: megasparse plot's
-        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb", "matplotlib", "tensorboard"],
+        "study": ["scipy", "matplotlib"],  # scaling-law fits (L-BFGS-B) and their figures
+        # transformers, protobuf: HF export/import tests; wandb, tensorboard: their logging tests; matplotlib: megasparse
+        # plot's; scipy: the scaling-law fits'
+        "test": ["pytest", "mpi4py", "mpich", "transformers", "protobuf", "wandb", "matplotlib", "tensorboard", "scipy"],
     },
     entry_points={"console_scripts": ["megasparse=megasparse.cli:main"]},
 )

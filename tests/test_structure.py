@@ -21,6 +21,7 @@ FLOORS = [
     ["megasparse.checkpoint"],
     ["megasparse.train"],
     ["megasparse.convert", "megasparse.launch", "megasparse.plot", "megasparse.plan"],
+    ["megasparse.study"],
     ["megasparse.cli"],
     ["megasparse.__main__"],
 ]

@@ -1,0 +1,1 @@
+"""Scaling studies: which method, size and token count for a budget of compute or memory."""
