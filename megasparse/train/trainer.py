@@ -182,9 +182,13 @@ class Trainer:
         poison_gradient(model, lambda: self.step + 1)  # before the decision's hooks, which must see it
         # before the scheduler wraps the optimizer's step
         self.decision = StepDecision(model, self.optimizer, get_accelerator().current_device_name())
+        # The schedule goes in as a plain function, which LambdaLR leaves out of its state (a callable object's
+        # attributes it would save, and a resume would restore the checkpoint's schedule over the config's): a run
+        # resumed with other training.steps or optimizer.schedule keys follows its own config from its step on,
+        # as a cooldown branched from a constant-rate trunk must.
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, mpu=parallel,
-            lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule), config=self.ds_config,
+            lr_scheduler=lambda optimizer: LambdaLR(optimizer, lambda step: schedule(step)), config=self.ds_config,
             dist_init_required=False,
         )
         self.device = self.engine.device
@@ -232,6 +236,9 @@ class Trainer:
     def _load(self, tag_dir: Path) -> int:
         meta = CheckpointMeta.read(tag_dir)
         state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
+        scheduler = self.engine.lr_scheduler  # the next step's rate, by this config's schedule (see __init__)
+        for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * rate(scheduler.last_epoch)
         dropped = self.loader.load_state_dict(state["loader"])
         self.loader.steps = meta.step  # the schedule's clock (a checkpoint's loader state may predate it)
         if dropped:
