@@ -20,7 +20,7 @@ setup(
     # reads them where they are (megasparse.config.shipped_configs looks in both places).
     packages=[*find_packages(include=["megasparse", "megasparse.*"]), "megasparse.configs"],
     package_dir={"megasparse.configs": "configs"},
-    package_data={"megasparse.configs": ["*.yaml"], "megasparse.launch": ["*.sbatch"]},
+    package_data={"megasparse.configs": ["*.yaml", "studies/*.yaml"], "megasparse.launch": ["*.sbatch"]},
     install_requires=[
         *(f"{name}{spec}" for name, spec in TESTED.items()),
         "packaging",

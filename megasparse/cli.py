@@ -1,5 +1,5 @@
 """The ``megasparse`` command: ``config``, ``plan``, ``prepare-data``, ``train``, ``launch``, ``inspect``,
-``generate``, ``convert`` and ``plot``."""
+``generate``, ``convert``, ``plot`` and ``study``."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ from megasparse.convert.cli import add_checkpoint_commands
 from megasparse.errors import UserError
 from megasparse.launch.cli import add_launch_commands
 from megasparse.parallel.launch_env import first_process
+from megasparse.study.cli import add_study_commands
 from megasparse.versions import warn_if_untested
 
 
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_launch_commands(commands)
     add_checkpoint_commands(commands)
+    add_study_commands(commands)
 
     plot = commands.add_parser("plot", help="draw training runs' curves: loss, learning rate, gradient norm, "
                                             "tokens/s, SMET's topology updates, Spectron's spectral norms")

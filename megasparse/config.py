@@ -571,13 +571,14 @@ def _plain(value: Any) -> Any:
 # ----------------------------------------------------------------------------- reading
 
 
-def shipped_configs() -> dict[str, Path]:
-    """The run configs that ship with megasparse, by name: those of the copy of the package Python imported.
-    An installed copy (a wheel, a plain install) carries them in its own ``configs/`` folder; a source tree
-    or an editable install reads the checkout's top-level ``configs/``, their one source."""
+def shipped_configs(kind: str = "") -> dict[str, Path]:
+    """The run configs (with ``kind``, those of ``configs/KIND/``: ``studies``) that ship with megasparse, by name:
+    those of the copy of the package Python imported. An installed copy (a wheel, a plain install) carries them
+    in its own ``configs/`` folder; a source tree or an editable install reads the checkout's top-level
+    ``configs/``, their one source."""
     package = Path(__file__).resolve().parent
     for folder in (package / "configs", package.parent / "configs"):
-        found = {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+        found = {path.stem: path for path in sorted((folder / kind).glob("*.yaml"))}
         if found:
             return found
     return {}

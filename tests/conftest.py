@@ -19,7 +19,7 @@ from helpers import close_fork_server, fork_server, make_corpus, megasparse, tin
 
 # Tests that start no process group: they run first, while the fork server imports torch and DeepSpeed
 # and builds DeepSpeed's JIT op (about 30 s on a fresh checkout), which every training process needs.
-NO_PROCESS_GROUP = {"test_benchmark_reports", "test_config", "test_corpus_files", "test_data", "test_docs", "test_execution", "test_flops", "test_launch_env", "test_model", "test_progress", "test_study_fit",
+NO_PROCESS_GROUP = {"test_benchmark_reports", "test_config", "test_corpus_files", "test_data", "test_docs", "test_execution", "test_flops", "test_launch_env", "test_model", "test_progress", "test_study_fit", "test_study_plan",
                     "test_schedule", "test_smet", "test_spectron", "test_structure", "test_versions"}
 
 

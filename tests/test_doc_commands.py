@@ -129,7 +129,7 @@ def checks(shown: Shown) -> tuple[str, ...] | None:
     command = words[words.index("megasparse") + 1:]
     if command[:1] == ("launch",) and command[1:2] != ("hostfile",):  # (a checkpoint to resume is the user's)
         return _dry(tuple(_without_resume(command)) if "--resume" in command and "auto" not in command else command)
-    if command[:1] == ("plan",):  # cheap: run as shown
+    if command[:1] == ("plan",) or command[:2] == ("study", "plan"):  # cheap: run as shown
         return command
     if command[:1] == ("train",) and command[1] in shipped_configs():
         return ("config", command[1], *_without_resume(command[2:]), "--world-size", str(_world_size(words)))

@@ -80,8 +80,8 @@ def test_a_wheel_carries_every_config_and_the_template(tmp_path):
                    timeout=TIMEOUT_S)
     (wheel,) = (tmp_path / "wheel").glob("megasparse-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    configs = {f"megasparse/configs/{path.name}" for path in (REPO / "configs").glob("*.yaml")}
-    assert len(configs) == len(shipped_configs()) > 0
+    configs = {f"megasparse/configs/{path.relative_to(REPO / 'configs')}" for path in (REPO / "configs").rglob("*.yaml")}
+    assert len(configs) == len(shipped_configs()) + len(shipped_configs("studies")) > len(shipped_configs()) > 0
     assert configs == {name for name in names if name.startswith("megasparse/configs/")}
     assert "megasparse/launch/slurm.sbatch" in names
 

@@ -1,0 +1,87 @@
+"""`megasparse study plan`: every run of the shipped CPU study counted (parameters as built, tokens, FLOPs
+executed and theoretical, bytes per device, each budget's branch point), and bad studies refused in one line."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from helpers import megasparse_here
+
+from megasparse.config import shipped_configs
+from megasparse.study.plan import study_runs
+from megasparse.study.spec import load_study
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    study = load_study("cpu-ladder")
+    return study, study_runs(study)
+
+
+def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
+    study, runs = ladder
+    assert {(r.method, r.size) for r in runs} == {(m, s) for m in study.methods for s in study.sizes}
+    assert len([r for r in runs if r.method == "dense" and r.size == "s1"]) == 2  # its extra seed
+    by = {(r.method, r.size): r for r in runs}
+    dense_sizes = sorted(by[("dense", size)].non_embedding for size in study.sizes)
+    assert dense_sizes[-1] >= 8 * dense_sizes[0]  # the sizes span 8x in non-embedding parameters
+    for run in runs:
+        dense = by[("dense", run.size)]
+        assert run.steps == dense.steps  # every method of a size reads the same tokens
+        for budget, tokens in zip(study.tokens_per_parameter, run.tokens):
+            assert budget * dense.non_embedding <= tokens < budget * dense.non_embedding + run.tokens_per_step
+        assert run.dense_non_embedding == dense.non_embedding
+        assert run.config.optimizer.schedule == "constant" and run.config.training.steps == max(run.steps)
+        if run.method.startswith("smet"):
+            density = run.config.sparse.density
+            assert run.executed_flops_per_token == dense.executed_flops_per_token  # products run dense
+            assert run.theoretical_flops_per_token < run.executed_flops_per_token
+            projections = run.non_embedding - (2 * run.config.model.n_layers + 1) * run.config.model.dim
+            dense_projections = dense.non_embedding - (2 * run.config.model.n_layers + 1) * run.config.model.dim
+            assert projections == pytest.approx(density * dense_projections, rel=0.01)
+            stable = min(run.steps) - round(study.decay_fraction * min(run.steps))
+            assert run.config.sparse.stop_step == stable  # one topology schedule for the trunk and its branches
+        else:
+            assert run.theoretical_flops_per_token == run.executed_flops_per_token
+        assert run.persistent_bytes < dense.persistent_bytes or run.method == "dense"
+        for steps in run.steps:
+            assert run.branch_start(steps, study.decay_fraction) == steps - round(0.2 * steps)
+
+
+def test_study_plan_prints_the_runs_and_the_time():
+    result = megasparse_here("study", "plan", "cpu-ladder")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("# study cpu-ladder: 4 methods x 4 sizes x 3 budgets, 18 trunks")
+    assert lines[-1].startswith("# in all:") and "hours on 2 device(s)" in lines[-1]
+    assert sum(line.startswith("spectron-0.25-s4-s1234") for line in lines) == 3
+
+
+def bad_study(tmp_path, **changes) -> str:
+    data = yaml.safe_load(shipped_configs("studies")["cpu-ladder"].read_text())
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"sizes": {"s1": {"model": {"dim": 64, "n_layers": 4, "n_heads": 4}}}}, "sizes: a scaling law needs at least 2 sizes"),
+    ({"methods": {"dense": {}, "smet": {"optimizer": {"name": "smet"}}}}, "method smet at size s1: optimizer.name"),
+    ({"tokens_per_parameter": [0.001, 10]}, "is less than one optimizer step"),
+    ({"tokens_per_parameter": [0.5, 10]}, "decays before its warm-up"),
+    ({"epochs": 3}, "epochs: unknown key"),
+    ({"reference": "sparse"}, "reference: expected one of the methods"),
+    ({"rules": None}, "rules: expected the learning-rate and batch rules"),
+    ({"hardware": {"devices": 0, "flops_per_device": 1.0e+10}}, "hardware: devices must be a positive integer"),
+])
+def test_a_bad_study_is_refused_in_one_line(tmp_path, changes, message):
+    path = bad_study(tmp_path, **changes)
+    before = sorted(tmp_path.rglob("*"))
+    result = megasparse_here("study", "plan", path)
+    lines = result.error_lines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+    assert sorted(tmp_path.rglob("*")) == before
