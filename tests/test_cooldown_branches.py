@@ -34,3 +34,16 @@ def test_a_cooldown_branch_equals_a_straight_run_of_its_budget(dataset, tmp_path
         for key in ("loss", "val_loss", "lr"):
             if key in record:
                 assert record[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (record["step"], key)
+
+
+def test_a_resumed_run_takes_its_configs_peak_rate(dataset, tmp_path):
+    """Resumed with another optimizer.lr, the run's next steps use it (the checkpoint's base rate is not kept)."""
+    trunk = tiny_config(dataset, tmp_path / "trunk", training={"steps": 6, "eval_interval": 0})
+    trunk["optimizer"].update(schedule="constant")
+    megasparse("train", str(write_config(tmp_path / "trunk.yaml", trunk))).check()
+    resumed = tiny_config(dataset, tmp_path / "resumed", training={"steps": 6, "eval_interval": 0})
+    resumed["optimizer"].update(schedule="constant", lr=trunk["optimizer"]["lr"] / 4, min_lr=1e-4)
+    megasparse("train", str(write_config(tmp_path / "resumed.yaml", resumed)), "--resume",
+               str(tmp_path / "trunk" / "checkpoints" / "step_00000004")).check()
+    rates = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "resumed")}
+    assert rates == {5: pytest.approx(resumed["optimizer"]["lr"]), 6: pytest.approx(resumed["optimizer"]["lr"])}

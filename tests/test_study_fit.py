@@ -38,8 +38,9 @@ def test_the_joint_fit_recovers_the_law():
     assert law.alpha == pytest.approx(TRUTH.alpha, abs=0.03) and law.beta == pytest.approx(TRUTH.beta, abs=0.03)
     assert law.k["smet"] == pytest.approx(0.6, rel=0.03) and law.k["spectron"] == pytest.approx(1.4, rel=0.03)
     assert law.n_exponent == pytest.approx(TRUTH.n_exponent, abs=0.02)
-    laws = bootstrap(points, fitted, resamples=40, seed=1)
-    assert len(laws) >= 38
+    draws = bootstrap(points, fitted, resamples=40, seed=1)
+    laws = draws.laws
+    assert len(laws) + draws.left_out == 40 and draws.left_out <= 2 and draws.unconverged == 0
     for quantity in (lambda law: law.alpha, lambda law: law.k["smet"], lambda law: law.optimal("dense", 1e18)[0]):
         low, high = interval(laws, quantity)
         assert low <= quantity(fitted.law) <= high
@@ -82,7 +83,7 @@ def test_the_bootstraps_95_percent_intervals_cover_the_truth_about_95_percent_of
     for seed in range(draws):
         points = draw(100 + seed, methods=("dense",), noise=0.01)
         fitted = fit_law(points, grid=SMALL_GRID)
-        laws = bootstrap(points, fitted, resamples=100, seed=seed)
+        laws = bootstrap(points, fitted, resamples=100, seed=seed).laws
         for name, quantity in (("alpha", lambda law: law.alpha), ("beta", lambda law: law.beta),
                                ("exponent", lambda law: law.n_exponent)):
             low, high = interval(laws, quantity)
@@ -122,3 +123,12 @@ def test_too_little_to_fit_is_refused_in_one_line(points, message):
     with pytest.raises(UserError, match=message) as error:
         fit_law(points)
     assert "\n" not in str(error.value)
+
+
+def test_a_bootstrap_of_too_few_cells_is_refused_in_one_line():
+    """2 sizes x 2 budgets, 2 seeds each: a quarter of the draws miss a size or a budget."""
+    points = [Point("dense", n, n * t, TRUTH.loss("dense", n, n * t) * (1 + 0.001 * seed))
+              for n in (1e6, 2e6) for t in (10, 20) for seed in (0, 1)]
+    fitted = fit_law(points, grid=SMALL_GRID)
+    with pytest.raises(UserError, match="the bootstrap left out .* of 20 draws .*: 4 cells are too few"):
+        bootstrap(points, fitted, resamples=20)

@@ -9,6 +9,7 @@ from helpers import megasparse_here
 from megasparse.config import shipped_configs
 from megasparse.study.plan import study_runs
 from megasparse.study.spec import load_study
+from megasparse.train.schedule import decay_start
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,12 @@ def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
         for budget, tokens in zip(study.tokens_per_parameter, run.tokens):
             assert budget * dense.non_embedding <= tokens < budget * dense.non_embedding + run.tokens_per_step
         assert run.dense_non_embedding == dense.non_embedding
-        assert run.config.optimizer.schedule == "constant" and run.config.training.steps == max(run.steps)
+        if run.branched:  # one trunk at a constant rate to the largest budget's decay start
+            assert run.config.optimizer.schedule == "constant"
+            assert run.config.training.steps == decay_start(max(run.steps), study.decay_fraction)
+        else:  # SMET: every budget a straight run, its topology schedule spread over its own steps
+            assert run.method.startswith("smet") and run.config.optimizer.schedule == "wsd"
+            assert run.config.training.steps == max(run.steps) and run.config.sparse.stop_step == 0
         if run.method.startswith("smet"):
             density = run.config.sparse.density
             assert run.executed_flops_per_token == dense.executed_flops_per_token  # products run dense
@@ -38,20 +44,21 @@ def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
             projections = run.non_embedding - (2 * run.config.model.n_layers + 1) * run.config.model.dim
             dense_projections = dense.non_embedding - (2 * run.config.model.n_layers + 1) * run.config.model.dim
             assert projections == pytest.approx(density * dense_projections, rel=0.01)
-            stable = min(run.steps) - round(study.decay_fraction * min(run.steps))
-            assert run.config.sparse.stop_step == stable  # one topology schedule for the trunk and its branches
         else:
             assert run.theoretical_flops_per_token == run.executed_flops_per_token
         assert run.persistent_bytes < dense.persistent_bytes or run.method == "dense"
-        for steps in run.steps:
-            assert run.branch_start(steps, study.decay_fraction) == steps - round(0.2 * steps)
+    dense = by[("dense", "s4")]
+    per_step = dense.executed_flops_per_token * dense.tokens_per_step
+    trunk, cooldowns = decay_start(max(dense.steps), 0.2), sum(s - decay_start(s, 0.2) for s in dense.steps)
+    assert dense.executed_flops(0.2) == per_step * (trunk + cooldowns) < per_step * sum(dense.steps)
+    assert by[("smet-0.5", "s4")].executed_flops(0.2) == per_step * sum(dense.steps)
 
 
 def test_study_plan_prints_the_runs_and_the_time():
     result = megasparse_here("study", "plan", "cpu-ladder")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("# study cpu-ladder: 4 methods x 4 sizes x 3 budgets, 18 trunks")
+    assert lines[0].startswith("# study cpu-ladder: 4 methods x 4 sizes x 3 budgets, 18 trunks or straight-run sets")
     assert lines[-1].startswith("# in all:") and "hours on 2 device(s)" in lines[-1]
     assert sum(line.startswith("spectron-0.25-s4-s1234") for line in lines) == 3
 

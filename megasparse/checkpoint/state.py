@@ -277,9 +277,7 @@ def apply_training_state(engine, client_optimizer: torch.optim.Optimizer, state:
                     owner_state[key].view(-1)[target] = value[span].to(owner_state[key].device, owner_state[key].dtype)
                 elif value is not None or key not in owner_state:  # one group value, kept where present
                     owner_state[key] = _to_device(copy.deepcopy(value), fragment.owner.device, key)
-    engine.lr_scheduler.load_state_dict(state.scheduler)
-    for group, lr in zip(client_optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-        group["lr"] = lr
+    engine.lr_scheduler.load_state_dict(state.scheduler)  # (its step; the trainer sets the rates from its config)
     for key, value in state.counters.items():
         setattr(engine, key, value)
     return state.client

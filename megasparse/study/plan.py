@@ -1,13 +1,15 @@
 """Every run of a study, counted before anything trains: ``megasparse study plan STUDY``.
 
-A study trains one **trunk** per (method, size, seed): the base config with the method's and the size's keys, at a
-constant rate after its warm-up, to the largest budget's steps. Each budget B of the size is a **branch**: the
-trunk's checkpoint at step S_B - D_B resumed with ``training.steps = S_B`` and a warm-up/stable/decay schedule
-whose decay takes the last D_B = round(decay_fraction S_B) steps, which equals a straight run of that schedule
-(docs/checkpoints.md). S_B = ceil(B N_ref / tokens per step), N_ref the non-embedding parameters of the reference
-method at that size, so every method of a size reads the same tokens. SMET's topology schedule is fixed to the
-smallest budget's stable steps (``sparse.stop_step``) in the trunk and every branch, so that it does not depend on
-the budget.
+A budget B of a size takes S_B = ceil(B N_ref / tokens per step) steps, N_ref the non-embedding parameters of the
+reference method at that size, so every method of a size reads the same tokens; it decays over its last
+D_B = max(1, round(decay_fraction S_B)) steps (warm-up/stable/decay).
+
+Where a method's training does not depend on the run's length, one **trunk** per (method, size, seed) runs at a
+constant rate after its warm-up to the largest budget's decay start, and each budget is a **branch**: the trunk's
+checkpoint at S_B - D_B resumed with ``training.steps = S_B`` and the ``wsd`` schedule, which equals a straight run
+of that schedule (docs/checkpoints.md). SMET's (and the hybrid's) topology updates are spread over the run
+(``sparse.stop_step`` defaults to ``training.steps``), so a trunk would give each budget a topology schedule that
+is not its own: those methods run every budget as a straight run.
 
 Per run: N (the parameters trained, as built: SMET's active weights, Spectron's factors; with and without the
 embedding and output head; and the dense shape's non-embedding count), tokens, training FLOPs executed (SMET's
@@ -30,6 +32,8 @@ from megasparse.model.llama import Llama, num_parameters
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.plan import dense_counterpart, plan, vocabulary
 from megasparse.study.spec import Study
+from megasparse.train.memory import is_projection
+from megasparse.train.schedule import decay_start
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,8 @@ class Run:
     method: str
     size: str
     seed: int
-    config: Config  # the trunk's
+    config: Config  # the trunk's, or (not branched) the largest budget's straight run's
+    branched: bool  # budgets branched from one trunk; else each a straight run
     parameters: int  # trained, as built
     non_embedding: int  # trained, as built, without the embedding and output head
     dense_non_embedding: int  # the dense shape's, without the embedding and output head
@@ -57,9 +62,13 @@ class Run:
     def tokens(self) -> tuple[int, ...]:
         return tuple(steps * self.tokens_per_step for steps in self.steps)
 
-    def branch_start(self, steps: int, decay_fraction: float) -> int:
-        """The trunk step a budget of ``steps`` branches from: where its decay begins."""
-        return steps - max(1, round(decay_fraction * steps))
+    def executed_flops(self, decay_fraction: float) -> float:
+        """Training FLOPs of all its budgets: the trunk and each branch's cooldown, or each straight run."""
+        per_step = self.executed_flops_per_token * self.tokens_per_step
+        if not self.branched:
+            return per_step * sum(self.steps)
+        cooldowns = sum(steps - decay_start(steps, decay_fraction) for steps in self.steps)
+        return per_step * (decay_start(max(self.steps), decay_fraction) + cooldowns)
 
 
 def study_runs(study: Study) -> list[Run]:
@@ -75,38 +84,39 @@ def study_runs(study: Study) -> list[Run]:
             raise UserError(f"{study.path}: tokens_per_parameter: {smallest:g} x {reference[size]:,} parameters of "
                             f"size {size} is less than one optimizer step ({tokens_per_step:,} tokens)")
         warmup = shapes[size].optimizer.warmup_steps
-        if min(steps) - max(1, round(study.decay_fraction * min(steps))) < warmup:
+        if decay_start(min(steps), study.decay_fraction) < warmup:
             raise UserError(f"{study.path}: size {size}: the smallest budget ({min(steps):,} steps) decays before "
                             f"its warm-up of {warmup} steps ends; raise tokens_per_parameter or lower "
                             "optimizer.warmup_steps")
         for method in study.methods:
             for seed in (*study.seeds, *study.extra_seeds.get((method, size), ())):
                 cfg = _config(study, method, size, seed, steps)
-                parameters, non_embedding = _counts(cfg)
-                vocab_size = vocabulary(cfg)[0]
-                executed = flops_per_token(cfg, vocab_size)
-                projections = non_embedding - _norm_parameters(cfg)
+                parameters, non_embedding, projections = _counts(cfg)
+                executed = flops_per_token(cfg, vocabulary(cfg)[0])
                 theoretical = 3 * (2 * projections + executed.attention + executed.head)
-                runs.append(Run(method, size, seed, cfg, parameters, non_embedding,
+                runs.append(Run(method, size, seed, cfg, _branched(cfg), parameters, non_embedding,
                                 _counts(dense_counterpart(cfg))[1], steps, tokens_per_step, executed.training,
                                 theoretical, plan(cfg, study.devices).persistent))
     return runs
 
 
 def _config(study: Study, method: str, size: str, seed: int, steps: tuple[int, ...] | None = None) -> Config:
-    """The trunk's config: base, then the method's sections, then the size's, then the trunk's own keys (without
-    ``steps``: the shape alone, the base's steps kept)."""
+    """A run's config: base, then the method's sections, then the size's, then the run's own keys: a trunk's (a
+    constant rate to the largest budget's decay start) or, for a method that is not branched, the largest
+    budget's straight run (without ``steps``: the shape alone, the base's steps kept)."""
     sections: dict[str, dict] = {}
     for layer in (study.methods[method], study.sizes[size]):
         for section, values in layer.items():
             sections.setdefault(section, {}).update(values)
-    trunk = {"training": {"seed": seed, **({"steps": max(steps)} if steps else {})},
-             "optimizer": {"schedule": "constant"}}
-    if steps and sections.get("model", {}).get("layer") in ("sparse", "hybrid"):
-        stable = min(steps) - max(1, round(study.decay_fraction * min(steps)))
-        trunk["sparse"] = {"stop_step": max(1, stable)}
-    for section, values in trunk.items():
-        sections.setdefault(section, {}).update(values)
+    sections.setdefault("training", {})["seed"] = seed
+    if steps:
+        branched = sections.get("model", {}).get("layer") not in ("sparse", "hybrid")
+        run = ({"training": {"steps": decay_start(max(steps), study.decay_fraction)},
+                "optimizer": {"schedule": "constant"}} if branched else
+               {"training": {"steps": max(steps)}, "optimizer": {"schedule": "wsd",
+                                                                  "decay_fraction": study.decay_fraction}})
+        for section, values in run.items():
+            sections.setdefault(section, {}).update(values)
     overrides = [f"{section}.{key}={json.dumps(value)}" for section, values in sections.items()
                  for key, value in values.items()]
     try:
@@ -115,19 +125,20 @@ def _config(study: Study, method: str, size: str, seed: int, steps: tuple[int, .
         raise UserError(f"{study.path}: method {method} at size {size}: {exc}") from None
 
 
-def _counts(cfg: Config) -> tuple[int, int]:
-    """Trained parameters as built, with and without the embedding and output head."""
+def _branched(cfg: Config) -> bool:
+    """Whether a run's budgets can branch from one trunk: its training does not depend on the run's length."""
+    return cfg.model.layer not in ("sparse", "hybrid")
+
+
+def _counts(cfg: Config) -> tuple[int, int, int]:
+    """Trained parameters as built: all, without the embedding and output head, and the projections' alone."""
     with torch.device("meta"):
         model = Llama(cfg.model, vocabulary(cfg)[0], layer_factory(cfg, TensorParallel(None, 1, 0)))
     total = num_parameters(model)
-    embedding = {id(p): p.numel() for name, p in model.named_parameters(remove_duplicate=False)
-                 if name.startswith(("embed_tokens.", "lm_head."))}
-    return total, total - sum(embedding.values())
-
-
-def _norm_parameters(cfg: Config) -> int:
-    """The RMSNorm weights: two per block and the final one, ``dim`` each (not products)."""
-    return (2 * cfg.model.n_layers + 1) * cfg.model.dim
+    named = {id(p): (name, p.numel()) for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    embedding = sum(n for name, n in named.values() if name.startswith(("embed_tokens.", "lm_head.")))
+    projections = sum(n for name, n in named.values() if is_projection(name))
+    return total, total - embedding, projections
 
 
 def plan_table(study: Study, runs: list[Run]) -> str:
@@ -136,26 +147,23 @@ def plan_table(study: Study, runs: list[Run]) -> str:
 
     rows = [("run", "N trained", "N non-emb.", "dense shape non-emb.", "tokens", "steps", "branch from",
              "FLOPs executed", "FLOPs theoretical", "GB/device persistent")]
-    total_flops = 0.0
     for run in runs:
-        largest = max(run.steps)
-        total_flops += run.executed_flops_per_token * largest * run.tokens_per_step  # the trunk
         for steps, tokens in zip(run.steps, run.tokens):
-            decay = steps - run.branch_start(steps, study.decay_fraction)
-            total_flops += run.executed_flops_per_token * decay * run.tokens_per_step  # the branch's cooldown
+            start = f"{decay_start(steps, study.decay_fraction):,}" if run.branched else "straight"
             rows.append((run.name, f"{run.parameters:,}", f"{run.non_embedding:,}", f"{run.dense_non_embedding:,}",
-                         f"{tokens:,}", f"{steps:,}", f"{run.branch_start(steps, study.decay_fraction):,}",
-                         f"{run.executed_flops_per_token * tokens:.3g}",
+                         f"{tokens:,}", f"{steps:,}", start, f"{run.executed_flops_per_token * tokens:.3g}",
                          f"{run.theoretical_flops_per_token * tokens:.3g}", f"{run.persistent_bytes / GB:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths)))
              for row in rows]
-    hours = total_flops / (study.devices * study.flops_per_device) / 3600
+    total = sum(run.executed_flops(study.decay_fraction) for run in runs)
     separate = sum(r.executed_flops_per_token * s * r.tokens_per_step for r in runs for s in r.steps)
+    hours = total / (study.devices * study.flops_per_device) / 3600
     return "\n".join([
         f"# study {study.name}: {len(study.methods)} methods x {len(study.sizes)} sizes x "
-        f"{len(study.tokens_per_parameter)} budgets, {len(runs)} trunks ({study.base}; reference {study.reference})",
+        f"{len(study.tokens_per_parameter)} budgets, {len(runs)} trunks or straight-run sets ({study.base}; "
+        f"reference {study.reference})",
         f"# rules: {study.rules}", *lines,
-        f"# in all: {total_flops:.3g} FLOPs executed (trunks and cooldowns; each budget run separately: "
-        f"{separate:.3g}, {separate / total_flops:.2f}x), about {hours:,.1f} hours on {study.devices} device(s) at "
-        f"{study.flops_per_device:.3g} FLOP/s each"])
+        f"# in all: {total:.3g} FLOPs executed (trunks, their cooldowns and the straight runs; every budget run "
+        f"straight: {separate:.3g}, {separate / total:.2f}x), about {hours:,.1f} hours on {study.devices} device(s) "
+        f"at {study.flops_per_device:.3g} FLOP/s each"])

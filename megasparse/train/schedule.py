@@ -17,11 +17,17 @@ import math
 from megasparse.config import OptimizerConfig
 
 
+def decay_start(total_steps: int, decay_fraction: float) -> int:
+    """The step (0-based) where ``wsd`` starts to decay: S - D, D = max(1, round(decay_fraction S))."""
+    return total_steps - max(1, round(decay_fraction * total_steps))
+
+
 class LearningRateSchedule:
     def __init__(self, cfg: OptimizerConfig, total_steps: int) -> None:
         self.kind, self.warmup, self.total = cfg.schedule, cfg.warmup_steps, total_steps
         self.floor = cfg.min_lr / cfg.lr
-        self.decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        self.decay_start = decay_start(total_steps, cfg.decay_fraction)
+        self.decay_steps = total_steps - self.decay_start
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
@@ -31,8 +37,7 @@ class LearningRateSchedule:
         if self.kind == "cosine":
             progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
             return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        decay_start = self.total - self.decay_steps
-        if step < decay_start:
+        if step < self.decay_start:
             return 1.0
-        progress = min(1.0, (step - decay_start + 1) / self.decay_steps)
+        progress = min(1.0, (step - self.decay_start + 1) / self.decay_steps)
         return 1.0 - (1 - self.floor) * progress

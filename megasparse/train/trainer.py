@@ -184,14 +184,15 @@ class Trainer:
         self.decision = StepDecision(model, self.optimizer, get_accelerator().current_device_name())
         # The schedule goes in as a plain function, which LambdaLR leaves out of its state (a callable object's
         # attributes it would save, and a resume would restore the checkpoint's schedule over the config's): a run
-        # resumed with other training.steps or optimizer.schedule keys follows its own config from its step on,
-        # as a cooldown branched from a constant-rate trunk must.
+        # resumed with other training.steps, optimizer.* or spectron rates follows its own config from its step on
+        # (_load), as a cooldown branched from a constant-rate trunk must.
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, mpu=parallel,
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, lambda step: schedule(step)), config=self.ds_config,
             dist_init_required=False,
         )
         self.device = self.engine.device
+        self.configured_rates = tuple(self.engine.lr_scheduler.base_lrs)  # each group's peak, from this config
         self.decision.reports_to(self.engine.optimizer)
         if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
             # One data-parallel rank has no gradients to reduce, but DeepSpeed's ZeRO-0 path would still copy
@@ -236,9 +237,12 @@ class Trainer:
     def _load(self, tag_dir: Path) -> int:
         meta = CheckpointMeta.read(tag_dir)
         state = load_checkpoint(self.engine, self.optimizer, tag_dir, self.cfg, self.tp, self.dp_size)
-        scheduler = self.engine.lr_scheduler  # the next step's rate, by this config's schedule (see __init__)
+        # This config's peak rates and schedule from the checkpoint's step on (LambdaLR's and the optimizer's loaded
+        # state carry the checkpoint's base rates): the next step's rate, as a straight run of this config has it
+        scheduler = self.engine.lr_scheduler
+        scheduler.base_lrs = list(self.configured_rates)
         for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["lr"] = base * rate(scheduler.last_epoch)
+            group["initial_lr"], group["lr"] = base, base * rate(scheduler.last_epoch)
         dropped = self.loader.load_state_dict(state["loader"])
         self.loader.steps = meta.step  # the schedule's clock (a checkpoint's loader state may predate it)
         if dropped:
