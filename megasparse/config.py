@@ -331,6 +331,8 @@ class CheckpointConfig:
     init_from: str = path_key("", "existing_directory")  # a model directory (convert consolidate / import-hf) to start from
     keep_last: int = number(0, ge=0)  # keep the newest K checkpoints (older ones are deleted); 0: keep all
     keep_every: int = number(0, ge=0)  # with keep_last: also keep every checkpoint whose step is a multiple of M
+    # also at these steps, and always kept (a scaling study's branch points: its budgets' cooldowns resume there)
+    at_steps: list[int] = field(default_factory=list)
 
 
 @section
@@ -424,6 +426,9 @@ class Config:
         _require(not self.logging.sample_interval or self.logging.sample_tokens < self.data.seq_len,
                  "logging.sample_tokens",
                  f"{self.logging.sample_tokens} leaves no room for a prompt in data.seq_len={self.data.seq_len}")
+        _require(all(isinstance(step, int) and 0 < step <= t.steps for step in self.checkpoint.at_steps),
+                 "checkpoint.at_steps", f"every step must be in [1, training.steps={t.steps}], got "
+                 f"{self.checkpoint.at_steps}")
         self._validate_methods()
         self._validate_tensor_parallel()
         self._validate_sources()

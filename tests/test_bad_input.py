@@ -160,6 +160,8 @@ CASES = [
         "n_layers": 3}, data={"path": str(s.tmp / "new")}), "is for another model: model.n_layers=2"),
     Case("checkpoint of another vocabulary before preparing", lambda s: train(s, "--resume", s.checkpoint(), data={
         "path": str(s.tmp / "new"), "vocab_size": 500}), "has vocabulary size 400, the data's tokenizer 500"),
+    Case("checkpoint at a step past the run", lambda s: train(s, checkpoint={"at_steps": [4, 9]}),
+         "checkpoint.at_steps: every step must be in [1, training.steps=8], got [4, 9]"),
     # checkpoints (refused before the process group starts)
     Case("checkpoint of another shape", lambda s: train(s, "--resume", s.checkpoint(), model={"n_layers": 3}),
          "is for another model: model.n_layers=2, this config has 3"),

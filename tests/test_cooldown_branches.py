@@ -10,7 +10,9 @@ from helpers import megasparse, tiny_config, write_config
 from megasparse.train.metrics import read_metrics
 
 STRAIGHT = {"optimizer": {"schedule": "wsd", "decay_fraction": 1 / 3}, "training": {"steps": 6, "eval_interval": 0}}
-TRUNK = {"optimizer": {"schedule": "constant"}, "training": {"steps": 12, "eval_interval": 0}}
+# checkpoints at the branch point only (and the final one), kept whatever keep_last says
+TRUNK = {"optimizer": {"schedule": "constant"}, "training": {"steps": 12, "eval_interval": 0},
+         "checkpoint": {"interval": 0, "at_steps": [4], "keep_last": 1}}
 
 
 @pytest.mark.parametrize("method", ["dense", "smet", "spectron"])
@@ -24,7 +26,9 @@ def test_a_cooldown_branch_equals_a_straight_run_of_its_budget(dataset, tmp_path
         megasparse("train", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra).check()
         return read_metrics(tmp_path / name) + read_metrics(tmp_path / name, "eval")
 
-    run("trunk", TRUNK)  # checkpoints at steps 4, 8, 12
+    run("trunk", TRUNK)
+    assert sorted(p.name for p in (tmp_path / "trunk" / "checkpoints").glob("step_*")) == ["step_00000004",
+                                                                                       "step_00000012"]
     straight = run("straight", STRAIGHT)  # 6 steps, decaying over the last 2
     branch = run("branch", STRAIGHT, "--resume", str(tmp_path / "trunk" / "checkpoints" / "step_00000004"))
     by_step = {(r.get("event"), r["step"]): r for r in straight}

@@ -34,6 +34,7 @@ def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
         if run.branched:  # one trunk at a constant rate to the largest budget's decay start
             assert run.config.optimizer.schedule == "constant"
             assert run.config.training.steps == decay_start(max(run.steps), study.decay_fraction)
+            assert run.config.checkpoint.at_steps == [decay_start(s, study.decay_fraction) for s in run.steps]
         else:  # SMET: every budget a straight run, its topology schedule spread over its own steps
             assert run.method.startswith("smet") and run.config.optimizer.schedule == "wsd"
             assert run.config.training.steps == max(run.steps) and run.config.sparse.stop_step == 0

@@ -186,17 +186,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def prune(complete: list[Path], newest: Path, keep_last: int, keep_every: int) -> list[Path]:
+def prune(complete: list[Path], newest: Path, keep_last: int, keep_every: int, kept_steps: set[int] = frozenset()
+          ) -> list[Path]:
     """Delete complete checkpoints older than ``newest`` (the one just written) beyond the newest
-    ``keep_last`` except multiples of ``keep_every`` (``keep_last`` 0 keeps all); returns what was removed.
-    Checkpoints of higher steps (a run resumed from an earlier one) are left alone, and so is ``newest``."""
+    ``keep_last`` except multiples of ``keep_every`` and the steps ``kept_steps`` (``keep_last`` 0 keeps all);
+    returns what was removed. Checkpoints of higher steps (a run resumed from an earlier one) are left alone, and
+    so is ``newest``."""
     if keep_last <= 0:
         return []
     removed = []
     older = [tag_dir for tag_dir in complete if tag_dir.name < newest.name]
     for tag_dir in older[:max(0, len(older) - (keep_last - 1))]:
         step = int(tag_dir.name.split("_")[1])
-        if keep_every <= 0 or step % keep_every:
+        if (keep_every <= 0 or step % keep_every) and step not in kept_steps:
             shutil.rmtree(tag_dir, ignore_errors=True)
             removed.append(tag_dir)
     return removed

@@ -102,7 +102,7 @@ def study_runs(study: Study) -> list[Run]:
 
 def _config(study: Study, method: str, size: str, seed: int, steps: tuple[int, ...] | None = None) -> Config:
     """A run's config: base, then the method's sections, then the size's, then the run's own keys: a trunk's (a
-    constant rate to the largest budget's decay start) or, for a method that is not branched, the largest
+    constant rate to the largest budget's decay start, a checkpoint kept at each budget's) or, for a method that is not branched, the largest
     budget's straight run (without ``steps``: the shape alone, the base's steps kept)."""
     sections: dict[str, dict] = {}
     for layer in (study.methods[method], study.sizes[size]):
@@ -111,8 +111,9 @@ def _config(study: Study, method: str, size: str, seed: int, steps: tuple[int, .
     sections.setdefault("training", {})["seed"] = seed
     if steps:
         branched = sections.get("model", {}).get("layer") not in ("sparse", "hybrid")
-        run = ({"training": {"steps": decay_start(max(steps), study.decay_fraction)},
-                "optimizer": {"schedule": "constant"}} if branched else
+        starts = sorted({decay_start(b, study.decay_fraction) for b in steps})
+        run = ({"training": {"steps": starts[-1]}, "optimizer": {"schedule": "constant"},
+                "checkpoint": {"at_steps": starts}} if branched else
                {"training": {"steps": max(steps)}, "optimizer": {"schedule": "wsd",
                                                                   "decay_fraction": study.decay_fraction}})
         for section, values in run.items():

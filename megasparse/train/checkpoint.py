@@ -85,7 +85,8 @@ def save_checkpoint(engine, cfg: Config, meta: CheckpointMeta, client_state: dic
     tag_dir = write_checkpoint(engine, directory, tag_for(meta.step), {"megasparse": client_state}, extra,
                                complete[-1] if complete else None)
     if dist.get_rank() == 0:
-        prune(complete_checkpoints(directory), tag_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+        prune(complete_checkpoints(directory), tag_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every,
+              set(cfg.checkpoint.at_steps))
     dist.barrier()
     return tag_dir
 

@@ -363,7 +363,7 @@ class Trainer:
                 self._evaluate()
             if self._due(cfg.logging.sample_interval, at_end=False):
                 self._sample()
-            if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final):
+            if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final) or self.step in cfg.checkpoint.at_steps:
                 self._save()
             window_start += time.perf_counter() - paused
             if self.step < t.steps and stop_agreed:
