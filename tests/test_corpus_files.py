@@ -376,3 +376,19 @@ def test_a_hub_stream_that_breaks_is_fatal_not_a_bad_file(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: Stream())
     with pytest.raises(UserError, match="cannot read hub dataset 'hf:some/corpus:train': EOFError: Compressed file"):
         list(iter_documents(DataConfig(hf_dataset="some/corpus")))
+
+
+def test_a_hub_dataset_without_text_is_refused_naming_it(tmp_path, monkeypatch):
+    import datasets
+
+    class Stream:
+        column_names = ["text"]
+
+        def __iter__(self):
+            yield from ({"text": None} for _ in range(3))
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: Stream())
+    with pytest.raises(UserError, match="no text found in hf:some/corpus:train \\(1 bad file skipped, first "
+                                        "hf:some/corpus:train: no row has text in 'text'"):
+        prepare_data(DataConfig(path=str(tmp_path / "out"), hf_dataset="some/corpus"), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -82,6 +82,8 @@ def bad_study(tmp_path, **changes) -> str:
     ({"tokens_per_parameter": [0.001, 10]}, "is less than one optimizer step"),
     ({"tokens_per_parameter": [0.5, 10]}, "decays before its warm-up"),
     ({"epochs": 3}, "epochs: unknown key"),
+    ({"methods": {"dense": {}, "big": {"training": {"global_batch_size": 64}}}},
+     "methods.big: every method of a size reads the same tokens per step"),
     ({"reference": "sparse"}, "reference: expected one of the methods"),
     ({"rules": None}, "rules: expected the learning-rate and batch rules"),
     ({"hardware": {"devices": 0, "flops_per_device": 1.0e+10}}, "hardware: devices must be a positive integer"),

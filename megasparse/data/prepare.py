@@ -88,7 +88,7 @@ def _check_some_text(cfg: DataConfig, inputs: list[Input], sources: list[str]) -
         reading = open_reading(cfg, source)
         if next(reading.documents(), None) is not None:
             return
-        bad += [f"{reading.path}: {reading.problem}"] if reading.problem else []
+        bad += [f"{reading.source}: {reading.problem}"] if reading.problem else []
     named = ", ".join(sources[:3]) + (f" and {len(sources) - 3:,} more" if len(sources) > 3 else "")
     skipped = f" ({len(bad):,} bad file{'s' * (len(bad) > 1)} skipped, first {bad[0]})" if bad else ""
     raise UserError(f"no text found in {named}{skipped}")

@@ -12,8 +12,7 @@ The fit is Approach 3 as Besiroglu et al. (2024) replicate it: with E = exp(e), 
 prediction's logarithm is LSE(e, a - alpha (log k_m + log N), b - beta log D); the objective is the Huber loss
 (delta = 1e-3) of its difference to log L, **summed** over the points (a mean rescales the objective and stops
 L-BFGS early); L-BFGS-B (analytic gradients) from the grid's starts (Hoffmann et al.'s 5,400: the objective is
-evaluated at each, and the optimiser runs from the lowest 64: on three synthetic draws this found the optimum
-that all 5,400 find, in 3 s against 231 s), keeping the lowest objective. A fit
+evaluated at each, and the optimiser runs from the 64 with the lowest objective), keeping the lowest result. A fit
 reports whether the best start converged and which parameters ended on their bounds.
 
 Compute-optimal allocation for a method costing ``c`` FLOPs per parameter and token (C = c N D; c = 6 for a dense

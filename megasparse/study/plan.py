@@ -30,7 +30,7 @@ from megasparse.model.factory import layer_factory
 from megasparse.model.flops import flops_per_token
 from megasparse.model.llama import Llama, num_parameters
 from megasparse.parallel.mappings import TensorParallel
-from megasparse.plan import dense_counterpart, plan, vocabulary
+from megasparse.plan import GB, dense_counterpart, plan, vocabulary
 from megasparse.study.spec import Study
 from megasparse.train.memory import is_projection
 from megasparse.train.schedule import decay_start
@@ -144,8 +144,6 @@ def _counts(cfg: Config) -> tuple[int, int, int]:
 
 def plan_table(study: Study, runs: list[Run]) -> str:
     """The plan as text: one row per run and budget, then the totals."""
-    from megasparse.plan import GB
-
     rows = [("run", "N trained", "N non-emb.", "dense shape non-emb.", "tokens", "steps", "branch from",
              "FLOPs executed", "FLOPs theoretical", "GB/device persistent")]
     for run in runs:

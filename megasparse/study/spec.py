@@ -82,6 +82,10 @@ def _checked(path: Path, data: dict[str, Any]) -> Study:
 
     methods = need("methods", dict, lambda v: v and all(isinstance(s, dict) for s in v.values()),
                    "a mapping of method names to config sections")
+    for name, sections in methods.items():
+        if "global_batch_size" in sections.get("training", {}) or "seq_len" in sections.get("data", {}):
+            raise UserError(f"{path}: methods.{name}: every method of a size reads the same tokens per step; give "
+                            "training.global_batch_size and data.seq_len in the sizes, not the methods")
     reference = need("reference", str, lambda v: v in methods, f"one of the methods ({', '.join(methods)})")
     sizes = need("sizes", dict, lambda v: all(isinstance(s, dict) and set(s) <= SIZE_SECTIONS and "model" in s
                                               for s in v.values()),
