@@ -101,11 +101,11 @@ def study_runs(study: Study) -> list[Run]:
 
 
 def _config(study: Study, method: str, size: str, seed: int, steps: tuple[int, ...] | None = None) -> Config:
-    """A run's config: base, then the method's sections, then the size's, then the run's own keys: a trunk's (a
+    """A run's config: base, then the study's common sections, the method's, the size's, then the run's own keys: a trunk's (a
     constant rate to the largest budget's decay start, a checkpoint kept at each budget's) or, for a method that is not branched, the largest
     budget's straight run (without ``steps``: the shape alone, the base's steps kept)."""
     sections: dict[str, dict] = {}
-    for layer in (study.methods[method], study.sizes[size]):
+    for layer in (study.config, study.methods[method], study.sizes[size]):
         for section, values in layer.items():
             sections.setdefault(section, {}).update(values)
     sections.setdefault("training", {})["seed"] = seed

@@ -1,6 +1,7 @@
 """A scaling study's definition: a YAML file (shipped ones under ``configs/studies/``) naming
 
 - ``base``: the run config every run starts from (a shipped config's name or a path);
+- ``config``: config sections merged over the base for every run (the study's corpus, tokenizer, evaluation);
 - ``reference``: the method the others are measured against (multiplier k = 1), one of ``methods``;
 - ``methods``: name -> config sections merged over the base (dense: ``{}``; SMET at a density; Spectron at a rank
   ratio; the hybrid);
@@ -26,7 +27,7 @@ import yaml
 
 from megasparse.errors import UserError
 
-KEYS = {"base", "reference", "methods", "sizes", "rules", "tokens_per_parameter", "decay_fraction", "seeds",
+KEYS = {"base", "config", "reference", "methods", "sizes", "rules", "tokens_per_parameter", "decay_fraction", "seeds",
         "extra_seeds", "hardware"}
 SIZE_SECTIONS = {"model", "optimizer", "training"}
 
@@ -35,6 +36,7 @@ SIZE_SECTIONS = {"model", "optimizer", "training"}
 class Study:
     path: Path
     base: str
+    config: dict[str, dict[str, Any]]
     reference: str
     methods: dict[str, dict[str, dict[str, Any]]]
     sizes: dict[str, dict[str, dict[str, Any]]]
@@ -80,6 +82,9 @@ def _checked(path: Path, data: dict[str, Any]) -> Study:
             raise UserError(f"{path}: {key}: expected {what or kind.__name__}, got {value!r}")
         return value
 
+    common = data.get("config") or {}
+    if not (isinstance(common, dict) and all(isinstance(s, dict) for s in common.values())):
+        raise UserError(f"{path}: config: expected a mapping of config sections, got {common!r}")
     methods = need("methods", dict, lambda v: v and all(isinstance(s, dict) for s in v.values()),
                    "a mapping of method names to config sections")
     for name, sections in methods.items():
@@ -111,7 +116,7 @@ def _checked(path: Path, data: dict[str, Any]) -> Study:
             and hardware["flops_per_device"] > 0):
         raise UserError(f"{path}: hardware: devices must be a positive integer and flops_per_device a positive "
                         f"number, got {hardware!r}")
-    return Study(path, need("base", str, bool, "a config's name or path"), reference, methods, sizes,
+    return Study(path, need("base", str, bool, "a config's name or path"), common, reference, methods, sizes,
                  need("rules", str, bool, "the learning-rate and batch rules, with their reasons"),
                  tuple(float(x) for x in sorted(budgets)), float(decay), tuple(seeds), extra,
                  hardware["devices"], float(hardware["flops_per_device"]))
