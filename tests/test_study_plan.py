@@ -22,6 +22,7 @@ def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
     study, runs = ladder
     assert {(r.method, r.size) for r in runs} == {(m, s) for m in study.methods for s in study.sizes}
     assert len([r for r in runs if r.method == "dense" and r.size == "s1"]) == 2  # its extra seed
+    assert len([r for r in runs if r.method == "dense" and r.size == "s4"]) == 1
     by = {(r.method, r.size): r for r in runs}
     dense_sizes = sorted(by[("dense", size)].non_embedding for size in study.sizes)
     assert dense_sizes[-1] >= 8 * dense_sizes[0]  # the sizes span 8x in non-embedding parameters
@@ -35,8 +36,8 @@ def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
             assert run.config.optimizer.schedule == "constant"
             assert run.config.training.steps == decay_start(max(run.steps), study.decay_fraction)
             assert run.config.checkpoint.at_steps == [decay_start(s, study.decay_fraction) for s in run.steps]
-        else:  # SMET: every budget a straight run, its topology schedule spread over its own steps
-            assert run.method.startswith("smet") and run.config.optimizer.schedule == "wsd"
+        else:  # SMET, the hybrid: every budget a straight run, its topology schedule spread over its own steps
+            assert run.config.model.layer in ("sparse", "hybrid") and run.config.optimizer.schedule == "wsd"
             assert run.config.training.steps == max(run.steps) and run.config.sparse.stop_step == 0
         if run.method.startswith("smet"):
             density = run.config.sparse.density
@@ -45,6 +46,8 @@ def test_the_plan_counts_every_run_of_the_cpu_study(ladder):
             projections = run.non_embedding - (2 * run.config.model.n_layers + 1) * run.config.model.dim
             dense_projections = dense.non_embedding - (2 * run.config.model.n_layers + 1) * run.config.model.dim
             assert projections == pytest.approx(density * dense_projections, rel=0.01)
+        elif run.method == "hybrid":  # its products run dense; the factors and the residual's weights in theory
+            assert run.theoretical_flops_per_token < run.executed_flops_per_token
         else:
             assert run.theoretical_flops_per_token == run.executed_flops_per_token
         assert run.persistent_bytes < dense.persistent_bytes or run.method == "dense"
@@ -59,8 +62,8 @@ def test_study_plan_prints_the_runs_and_the_time():
     result = megasparse_here("study", "plan", "cpu-ladder")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("# study cpu-ladder: 4 methods x 4 sizes x 3 budgets, 18 trunks or straight-run sets")
-    assert lines[-1].startswith("# in all:") and "hours on 2 device(s)" in lines[-1]
+    assert lines[0].startswith("# study cpu-ladder: 5 methods x 4 sizes x 3 budgets, 23 trunks or straight-run sets")
+    assert lines[-1].startswith("# in all:") and "hours on 1 device(s)" in lines[-1]
     assert sum(line.startswith("spectron-0.25-s4-s1234") for line in lines) == 3
 
 
@@ -78,7 +81,8 @@ def bad_study(tmp_path, **changes) -> str:
 
 @pytest.mark.parametrize("changes,message", [
     ({"sizes": {"s1": {"model": {"dim": 64, "n_layers": 4, "n_heads": 4}}}}, "sizes: a scaling law needs at least 2 sizes"),
-    ({"methods": {"dense": {}, "smet": {"optimizer": {"name": "smet"}}}}, "method smet at size s1: optimizer.name"),
+    ({"methods": {"dense": {}, "smet-0.25": {"optimizer": {"name": "smet"}}}},
+     "method smet-0.25 at size s1: optimizer.name"),
     ({"tokens_per_parameter": [0.001, 10]}, "is less than one optimizer step"),
     ({"tokens_per_parameter": [0.5, 10]}, "decays before its warm-up"),
     ({"epochs": 3}, "epochs: unknown key"),

@@ -27,6 +27,8 @@ class SlurmJob:
     gpus_per_node: int | None = None
     signal_seconds: int = 300
     extra: tuple[str, ...] = ()  # further sbatch options, e.g. "--qos=high"
+    array: str | None = None  # a job array's indices, e.g. "0-35%4" (at most 4 tasks at a time)
+    template: str = "slurm.sbatch"  # the script's template in megasparse/launch/
 
     @property
     def log_dir(self) -> Path:
@@ -34,7 +36,7 @@ class SlurmJob:
 
     def render(self) -> str:
         options = [f"--{name}={value}" for name, value in (
-            ("time", self.time), ("partition", self.partition), ("account", self.account),
+            ("array", self.array), ("time", self.time), ("partition", self.partition), ("account", self.account),
             ("gpus-per-node", self.gpus_per_node)) if value is not None] + list(self.extra)
         values = {
             "job_name": self.job_name, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
@@ -43,7 +45,7 @@ class SlurmJob:
             "log_dir": shlex.quote(str(self.log_dir)), "output_dir": shlex.quote(str(self.output_dir)),
             "train_command": shlex.join(self.train_command),
         }
-        template = resources.files("megasparse.launch").joinpath("slurm.sbatch").read_text()
+        template = resources.files("megasparse.launch").joinpath(self.template).read_text()
         return _PLACEHOLDER.sub(lambda m: str(values[m[1]]), template)
 
 

@@ -1,7 +1,10 @@
-"""``megasparse study``: ``plan`` a scaling study (every run counted, nothing trained)."""
+"""``megasparse study``: ``plan`` a scaling study (every run counted, nothing trained), ``run`` it here (resumable),
+submit it to Slurm as a job array (``slurm``), and ``fit`` its records."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def add_study_commands(commands: argparse._SubParsersAction) -> None:
@@ -9,9 +12,45 @@ def add_study_commands(commands: argparse._SubParsersAction) -> None:
     actions = study.add_subparsers(dest="action", required=True)
     planned = actions.add_parser("plan", help="every run of a study (shape, parameters, tokens, FLOPs executed and "
                                               "theoretical, bytes per device) and the study's time; trains nothing")
-    planned.add_argument("study", metavar="STUDY", help="a study YAML file or the name of a shipped study "
-                                                        "(configs/studies/NAME.yaml)")
+    _study_argument(planned)
     planned.set_defaults(run=_plan)
+
+    run = actions.add_parser("run", help="train a study's runs here, one after another; a recorded budget is "
+                                         "skipped and a killed one resumed")
+    _study_argument(run)
+    _out_argument(run)
+    run.add_argument("--task", type=int, metavar="I", help="only task I (a (method, size, seed) in the plan's "
+                                                           "order, from 0; a Slurm array's index)")
+    run.add_argument("--dry-run", action="store_true", help="list the tasks and what each has left; train nothing")
+    run.set_defaults(run=_run)
+
+    slurm = actions.add_parser("slurm", help="submit a study as a Slurm job array: a task per (method, size, seed), "
+                                             "at most K at a time, requeued when stopped")
+    _study_argument(slurm)
+    _out_argument(slurm)
+    slurm.add_argument("--concurrency", type=int, default=4, metavar="K", help="array tasks at a time (%%K)")
+    slurm.add_argument("--procs-per-node", type=int, help="ranks per node (default: the study's devices, one node)")
+    slurm.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank (OMP_NUM_THREADS)")
+    slurm.add_argument("--gpus-per-node", type=int)
+    slurm.add_argument("--time", help="each task's time limit, e.g. 1-00:00:00 (a stopped task is requeued)")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--account")
+    slurm.add_argument("--signal-seconds", type=int, default=300,
+                       help="SIGUSR1 this long before the time limit: checkpoint, exit, requeue")
+    slurm.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
+                       help="another #SBATCH option, e.g. --qos=high (repeatable)")
+    slurm.add_argument("--dry-run", action="store_true", help="print the array's script, submit nothing")
+    slurm.set_defaults(run=_slurm)
+
+
+def _study_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("study", metavar="STUDY", help="a study YAML file or the name of a shipped study "
+                                                       "(configs/studies/NAME.yaml)")
+
+
+def _out_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="the study's directory: its corpus, runs and records (default: studies/STUDY)")
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -20,3 +59,64 @@ def _plan(args: argparse.Namespace) -> None:
 
     study = load_study(args.study)
     print(plan_table(study, study_runs(study)))
+
+
+def _tasks(args: argparse.Namespace):
+    from megasparse.errors import UserError
+    from megasparse.study.plan import study_runs
+    from megasparse.study.run import check_records, study_tasks
+    from megasparse.study.spec import load_study
+
+    study = load_study(args.study)
+    out = args.out or Path("studies") / study.name
+    tasks = study_tasks(study, study_runs(study), out)
+    if any(t.budgets[0].config.training.eval_samples == 0 for t in tasks):
+        raise UserError(f"{study.path}: training.eval_samples is 0: a study's budgets are measured by their "
+                        "final validation loss")
+    if getattr(args, "task", None) is not None:
+        if not 0 <= args.task < len(tasks):
+            raise UserError(f"--task {args.task}: the study has tasks 0 to {len(tasks) - 1}")
+        tasks = [tasks[args.task]]
+    check_records(tasks)
+    return study, out, tasks
+
+
+def _run(args: argparse.Namespace) -> None:
+    from megasparse.study.run import run_study
+
+    study, out, tasks = _tasks(args)
+    if args.dry_run:
+        for task in tasks:
+            left = [b.directory.name for b in task.budgets if not b.record.is_file()]
+            print(f"{task.run.name}: {len(task.budgets) - len(left)} of {len(task.budgets)} budgets recorded"
+                  + (f"; to train: {'trunk, ' if task.trunk and left else ''}{', '.join(left)}" if left else ""))
+        return
+    status = run_study(study, tasks, out, study.devices)
+    sys.exit(status)
+
+
+def _slurm(args: argparse.Namespace) -> None:
+    from megasparse.errors import UserError
+    from megasparse.launch.slurm import SlurmJob, submit
+
+    study, out, tasks = _tasks(args)
+    procs = args.procs_per_node or study.devices
+    if procs <= 0 or study.devices % procs:
+        raise UserError(f"--procs-per-node {procs}: the study's {study.devices} devices must be whole nodes of it")
+    if args.concurrency <= 0:
+        raise UserError(f"--concurrency {args.concurrency}: at least one task at a time")
+    out = out.resolve()
+    command = [sys.executable, "-m", "megasparse", "study", "run", str(study.path.resolve()), "--out", str(out)]
+    job = SlurmJob(command, out, study.devices // procs, procs, f"study-{study.name}", args.cpus_per_task,
+                   args.time, args.partition, args.account, args.gpus_per_node, args.signal_seconds,
+                   tuple(args.sbatch_option), array=f"0-{len(tasks) - 1}%{args.concurrency}",
+                   template="study.sbatch")
+    script = job.render()
+    if args.dry_run:
+        print(script, end="")
+        return
+    job.log_dir.mkdir(parents=True, exist_ok=True)
+    path = job.log_dir / f"{job.job_name}.sbatch"
+    path.write_text(script)
+    print(f"submitted job array {submit(path)} ({len(tasks)} tasks, at most {args.concurrency} at a time; "
+          f"{path}); logs in {job.log_dir}")

@@ -1,0 +1,309 @@
+"""Running a study: ``megasparse study run STUDY --out OUT``, resumable, one task after another.
+
+A **task** is one (method, size, seed) of the plan (:func:`megasparse.study.plan.study_runs`, in its order; a
+Slurm array's index is the task's). A branched task trains its trunk, then one cooldown branch per budget, resumed
+from the trunk's checkpoint at the budget's decay start; SMET's and the hybrid's budgets are straight runs. Each
+run is ``megasparse train`` in its own process(es), in its own directory::
+
+    OUT/data/                         the study's corpus, prepared once (unless the study names data.path)
+    OUT/runs/RUN/trunk/               a trunk: config.yaml, metrics.jsonl, train.log, checkpoints/
+    OUT/runs/RUN/tpp-B/               a budget's branch or straight run
+    OUT/records/RUN-tpp-B.json        the budget's record, written when its training has ended
+
+A budget's record (:func:`record`) is written atomically (a temporary file renamed into place) and is the
+budget's completion: a study run again skips every recorded budget and resumes a killed one from its newest
+checkpoint (``--resume auto``). A record written under another config (its hash) is refused before anything
+trains. A task is held by one runner at a time (an exclusive lock on ``OUT/runs/RUN/lock``; a runner skips a
+task another holds), so two local runners, or a Slurm array's tasks and a requeued one, share a study directory.
+
+A stop request (SIGTERM, SIGINT, SIGUSR1) is passed to the training process, which saves a checkpoint at the
+next step and exits (docs/reliability.md); the runner then exits with :data:`INTERRUPTED`, which the Slurm array's
+script answers by requeueing the task.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megasparse.checkpoint.files import complete_checkpoints, tag_for
+from megasparse.config import Config, config_from_dict
+from megasparse.errors import UserError
+from megasparse.launch.commands import torchrun_command
+from megasparse.study.plan import Run
+from megasparse.study.spec import Study
+from megasparse.train.metrics import read_metrics
+from megasparse.train.preemption import MARKER
+from megasparse.train.schedule import decay_start
+
+INTERRUPTED = 75  # the runner's exit status when a run was stopped by a signal (EX_TEMPFAIL): run again to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One token budget of a task: the run that trains it and where its record goes."""
+
+    run: Run
+    tokens_per_parameter: float
+    steps: int
+    config: Config
+    directory: Path
+    record: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.run.name}-{self.directory.name}"
+
+
+@dataclass(frozen=True)
+class Task:
+    run: Run
+    directory: Path
+    trunk: Config | None  # branched: the trunk's config (its directory: directory / "trunk")
+    budgets: tuple[Budget, ...]
+
+
+def study_tasks(study: Study, runs: list[Run], out: Path) -> list[Task]:
+    """Every task of ``runs`` with its configs pointed into ``out`` (and its corpus, unless the study names one)."""
+    data_path = str((out / "data").resolve()) if "path" not in study.config.get("data", {}) else None
+    tasks = []
+    for run in runs:
+        directory = out.resolve() / "runs" / run.name
+        trunk = _placed(run.config, directory / "trunk", data_path) if run.branched else None
+        budgets = []
+        for tokens_per_parameter, steps in zip(study.tokens_per_parameter, run.steps):
+            raw = run.config.to_dict()
+            raw["training"]["steps"] = steps
+            if run.branched:  # the trunk's constant rate, then this budget's cooldown; no branch points of its own
+                raw["optimizer"].update(schedule="wsd", decay_fraction=study.decay_fraction)
+                raw["checkpoint"].update(at_steps=[], save_final=False)
+            else:
+                raw["checkpoint"]["save_final"] = False
+            place = directory / f"tpp-{tokens_per_parameter:g}"
+            budgets.append(Budget(run, tokens_per_parameter, steps, _placed(config_from_dict(raw), place, data_path),
+                                  place, out.resolve() / "records" / f"{run.name}-{place.name}.json"))
+        tasks.append(Task(run, directory, trunk, tuple(budgets)))
+    return tasks
+
+
+def _placed(cfg: Config, directory: Path, data_path: str | None) -> Config:
+    raw = cfg.to_dict()
+    raw["training"]["output_dir"] = str(directory)
+    raw["checkpoint"]["dir"] = ""
+    if data_path:
+        raw["data"]["path"] = data_path
+    return config_from_dict(raw)
+
+
+def config_hash(cfg: Config) -> str:
+    """The hash of what a run trains: its resolved config without where it writes and reads."""
+    raw = cfg.to_dict()
+    raw["training"].pop("output_dir")
+    raw["checkpoint"].pop("dir")
+    raw["data"].pop("path")
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_records(tasks: list[Task]) -> None:
+    """Refuse, before anything trains, a record that another config wrote (the study changed under ``OUT``)."""
+    for task in tasks:
+        for budget in task.budgets:
+            if budget.record.is_file():
+                try:
+                    written = json.loads(budget.record.read_text())["config_hash"]
+                except (ValueError, KeyError, OSError):
+                    raise UserError(f"{budget.record}: not a study record; remove it to rerun that budget") from None
+                if written != config_hash(budget.config):
+                    raise UserError(f"{budget.record}: written by another config of this run (hash {written}, now "
+                                    f"{config_hash(budget.config)}): the study changed; use another --out or "
+                                    "remove the record to rerun it")
+
+
+def run_study(study: Study, tasks: list[Task], out: Path, devices: int) -> int:
+    """Train every unrecorded budget of ``tasks``; 0 when all of them are recorded, :data:`INTERRUPTED` when a
+    stop request ended a run (run again to resume), 1 when another runner still holds a task."""
+    check_records(tasks)
+    index = prepare_corpus(tasks[0].budgets[0].config, tasks[0].budgets[0].config.data.path)
+    held = 0
+    for task in tasks:
+        if all(b.record.is_file() for b in task.budgets):
+            continue
+        task.directory.mkdir(parents=True, exist_ok=True)
+        with open(task.directory / "lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"[study] {task.run.name}: held by another runner; skipped", flush=True)
+                held += 1
+                continue
+            status = _run_task(study, task, devices, index, lock.fileno())
+            if status:
+                return status
+    return 1 if held else 0
+
+
+def _run_task(study: Study, task: Task, devices: int, index: str, lock: int) -> int:
+    trunk_dir = task.directory / "trunk"
+    if task.trunk is not None and not _finished(task.trunk):
+        print(f"[study] {task.run.name}: trunk to step {task.trunk.training.steps:,}", flush=True)
+        status = _train(task.trunk, None, devices, lock)
+        if status:
+            return status
+    for budget in task.budgets:
+        if budget.record.is_file():
+            continue
+        start = tag_for(decay_start(budget.steps, study.decay_fraction))
+        branch_point = trunk_dir / "checkpoints" / start if task.trunk is not None else None
+        print(f"[study] {budget.name}: {budget.steps:,} steps"
+              + (f", branched from the trunk's {start}" if branch_point else ", straight"), flush=True)
+        status = _train(budget.config, branch_point, devices, lock)
+        if status:
+            return status
+        write_record(budget, record(study, budget, index, trunk_dir if task.trunk is not None else None))
+    return 0
+
+
+def _finished(cfg: Config) -> bool:
+    """Whether a trunk reached its last step (its final checkpoint is complete)."""
+    return any(p.name == tag_for(cfg.training.steps) for p in complete_checkpoints(cfg.checkpoint_dir))
+
+
+def _train(cfg: Config, branch_point: Path | None, devices: int, lock: int) -> int:
+    """``megasparse train`` on ``cfg``: resumed from its own newest checkpoint, else from ``branch_point``, else
+    from scratch (a killed attempt without a checkpoint is started over). Returns 0, or :data:`INTERRUPTED`.
+
+    The training process runs in its own session (a terminal's Ctrl-C reaches the runner, which passes it on as
+    SIGTERM: a checkpoint, then a clean exit) and inherits the task's lock, so a runner killed outright leaves
+    the task held until its training process ends too."""
+    directory = Path(cfg.training.output_dir)
+    if complete_checkpoints(cfg.checkpoint_dir):
+        resume: list[str] = ["--resume", "auto"]
+    else:
+        if directory.exists():
+            shutil.rmtree(directory)
+        resume = ["--resume", str(branch_point)] if branch_point else []
+    directory.mkdir(parents=True, exist_ok=True)
+    config_file = directory / "config.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    train = ["train", str(config_file), *resume]
+    if "SLURM_JOB_ID" in os.environ:  # an array task: its ranks are the job's tasks
+        command = ["srun", "--kill-on-bad-exit=1", sys.executable, "-m", "megasparse", *train]
+    elif devices > 1:
+        command = torchrun_command(train, devices, 1, 0, "127.0.0.1", None)
+    else:
+        command = [sys.executable, "-m", "megasparse", *train]
+    started = time.monotonic()
+    with open(directory / "train.log", "a") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   pass_fds=(lock,))
+
+        def forward(signum: int, frame) -> None:
+            process.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+        previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+        try:
+            status = process.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    _add_wall_time(directory, time.monotonic() - started)
+    if status != 0:
+        tail = (directory / "train.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise UserError(f"{directory}: megasparse train failed (exit {status}): {tail[0]} (log: "
+                        f"{directory / 'train.log'})")
+    if (directory / MARKER).is_file():
+        print(f"[study] {directory}: stopped by a signal after a checkpoint; run the study again to resume",
+              flush=True)
+        return INTERRUPTED
+    return 0
+
+
+def _add_wall_time(directory: Path, seconds: float) -> None:
+    path = directory / "wall_time.json"
+    total = json.loads(path.read_text())["seconds"] if path.is_file() else 0.0
+    path.write_text(json.dumps({"seconds": total + seconds}) + "\n")
+
+
+def _wall_time(directory: Path) -> float:
+    return json.loads((directory / "wall_time.json").read_text())["seconds"]
+
+
+def prepare_corpus(cfg: Config, path: str) -> str:
+    """Prepare the study's corpus once (under a lock: concurrent runners wait for the first); its index's hash."""
+    index = Path(path) / "index.json"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not index.is_file():
+            config_file = Path(f"{path}.config.yaml")
+            config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            print(f"[study] preparing the corpus in {path}", flush=True)
+            done = subprocess.run([sys.executable, "-m", "megasparse", "prepare-data", str(config_file)])
+            if done.returncode != 0:
+                raise UserError(f"{path}: preparing the study's corpus failed (exit {done.returncode})")
+    return hashlib.sha256(index.read_bytes()).hexdigest()
+
+
+def record(study: Study, budget: Budget, index: str, trunk: Path | None) -> dict[str, Any]:
+    """What a budget measured: its final validation loss (and each source's), tokens, FLOPs executed and
+    theoretical, persistent bytes per device, wall time (its own; a branch's trunk's apart), the config's and the
+    corpus's hashes and the code's commit."""
+    directory, run = budget.directory, budget.run
+    final = [r for r in read_metrics(directory, "eval") if r["step"] == budget.steps]
+    if not final:
+        raise UserError(f"{directory}: no validation loss at step {budget.steps}: a study needs "
+                        "training.eval_samples > 0")
+    tokens = budget.steps * run.tokens_per_step
+    return {
+        "study": study.name, "run": run.name, "method": run.method, "size": run.size, "seed": run.seed,
+        "tokens_per_parameter": budget.tokens_per_parameter, "steps": budget.steps, "tokens": tokens,
+        "branched_from": decay_start(budget.steps, study.decay_fraction) if trunk else None,
+        "parameters": run.parameters, "non_embedding": run.non_embedding,
+        "dense_non_embedding": run.dense_non_embedding,
+        "val_loss": final[-1]["val_loss"],
+        "val_loss_by_source": {k.split("/", 1)[1]: v for k, v in final[-1].items() if k.startswith("val_loss/")},
+        "executed_flops": run.executed_flops_per_token * tokens,
+        "theoretical_flops": run.theoretical_flops_per_token * tokens,
+        "persistent_bytes_per_device": run.persistent_bytes, "devices": study.devices,
+        "wall_time_s": _wall_time(directory), "trunk_wall_time_s": _wall_time(trunk) if trunk else None,
+        "config_hash": config_hash(budget.config), "data_index_sha256": index, "commit": source_commit(),
+    }
+
+
+def write_record(budget: Budget, values: dict[str, Any]) -> None:
+    budget.record.parent.mkdir(parents=True, exist_ok=True)
+    temporary = budget.record.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(values, indent=1) + "\n")
+    os.replace(temporary, budget.record)
+
+
+def source_commit() -> str:
+    """The git commit of the megasparse source that runs (``-dirty`` with uncommitted changes), or its version."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        from importlib.metadata import version
+
+        return f"megasparse {version('megasparse')}"
+    return head + ("-dirty" if dirty else "")
+
+
+def read_records(out: Path) -> list[dict[str, Any]]:
+    """Every record of the study at ``out``."""
+    return [json.loads(path.read_text()) for path in sorted((out / "records").glob("*.json"))]
