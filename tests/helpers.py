@@ -354,3 +354,34 @@ def assert_same_model(actual: dict, expected: dict, rel: float) -> None:
 def checkpoint(run: Path, step: int, tp_rank: int = 0) -> dict:
     """The module state of a run's checkpoint at ``step``."""
     return final_weights(run / "checkpoints" / f"step_{step:08d}", tp_rank)
+
+
+# A scaling study of tiny shapes on a prepared dataset (tests/test_study_run.py, the Slurm array's test)
+TINY_STUDY = {
+    "base": "quickstart",
+    "config": {"data": {"seq_len": 32},
+               "optimizer": {"warmup_steps": 2},
+               "training": {"micro_batch_size": 4, "global_batch_size": 4, "eval_interval": 0, "eval_samples": 8},
+               "checkpoint": {"interval": 4, "keep_last": 1}, "logging": {"log_interval": 5}},
+    "reference": "dense",
+    "methods": {"dense": {}, "smet": {"model": {"layer": "sparse"}, "optimizer": {"name": "smet"},
+                                      "sparse": {"density": 0.5, "update_interval": 4}}},
+    "sizes": {"a": {"model": {"preset": "", "dim": 16, "n_layers": 1, "n_heads": 2, "ffn_dim": 32}},
+              "b": {"model": {"preset": "", "dim": 24, "n_layers": 1, "n_heads": 2, "ffn_dim": 64}},
+              "c": {"model": {"preset": "", "dim": 32, "n_layers": 1, "n_heads": 2, "ffn_dim": 64}}},
+    "rules": "one rate and batch: a test",
+    "tokens_per_parameter": [0.5, 1],
+    "decay_fraction": 0.25,
+    "seeds": [1],
+    "hardware": {"devices": 1, "flops_per_device": 1.0e9},
+    "hypotheses": {"smet": ["smet"]},
+}
+
+
+def write_study(tmp_path, dataset, name: str = "tiny", **changes) -> str:
+    study = json.loads(json.dumps(TINY_STUDY))
+    study["config"]["data"]["path"] = str(dataset)
+    study.update(changes)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return str(path)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (TIMEOUT_S, assert_same_model, checkpoint, fork_server, megasparse, tiny_config, train_losses,
-                     write_config)
+from helpers import (TIMEOUT_S, TINY_STUDY, assert_same_model, checkpoint, fork_server, megasparse, tiny_config,
+                     train_losses, write_config, write_study)
 from megasparse.data.shards import open_prepared
 from megasparse.parallel.launch_env import free_port
 from slurm_cluster import FINISHED, SlurmCluster, missing_programs
@@ -235,3 +235,31 @@ def test_slurm_prepares_a_mixture_in_parallel_then_indexes_it(slurm, corpus, tmp
     assert info["JobState"] == "COMPLETED", logs
     assert logs.count("prepared source") == 2 and f"prepared {tmp_path / 'tokens'}: prose:" in logs
     assert set(open_prepared(tmp_path / "tokens").sources) == {"prose", "code"}
+
+
+def test_a_study_runs_as_a_slurm_job_array_and_a_stopped_task_is_requeued(slurm, dataset, tmp_path):
+    """`megasparse study slurm`: a task per (method, size, seed), at most 2 at a time; SIGUSR1 to one task's
+    training ranks (as --signal sends before the time limit) makes it checkpoint, exit 75 and requeue itself,
+    and every budget ends recorded."""
+    path = write_study(tmp_path, dataset, methods={"dense": {}}, hypotheses={}, sizes={
+        size: TINY_STUDY["sizes"][size] for size in ("a", "b")})
+    out = tmp_path / "out"
+    env = {**ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"], "MEGASPARSE_FAULTS": "slow@6-12"}
+    submitted = megasparse("study", "slurm", path, "--out", str(out), "--concurrency", "2", "--time", "00:20:00",
+                           launcher="none", env=env).check()
+    job = int(re.search(r"submitted job array (\d+) \(2 tasks, at most 2 at a time", submitted.stdout)[1])
+    log = out / "runs" / "dense-b-s1" / "trunk" / "train.log"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "fault: slow step" in log.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    slurm.command("scancel", "--signal=USR1", f"{job}_1").check_returncode()
+    slurm.wait(f"{job}_1", lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
+    slurm.command("scontrol", "update", f"JobId={job}_1", "StartTime=now+5").check_returncode()
+    for task in (0, 1):
+        info = slurm.wait_finished(f"{job}_{task}")
+        batch_log = next((out / "logs").glob(f"study-tiny-{job}_{task}.out")).read_text()
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", batch_log
+    assert "requeueing task 1" in batch_log and "restart 1" in batch_log
+    assert sorted(p.stem for p in (out / "records").glob("*.json")) == [
+        f"dense-{size}-s1-tpp-{budget}" for size in "ab" for budget in ("0.5", "1")]

@@ -69,6 +69,7 @@ def test_study_plan_prints_the_runs_and_the_time():
 
 def bad_study(tmp_path, **changes) -> str:
     data = yaml.safe_load(shipped_configs("studies")["cpu-ladder"].read_text())
+    del data["hypotheses"]  # they name the methods, which some cases change
     for key, value in changes.items():
         if value is None:
             del data[key]
@@ -86,6 +87,8 @@ def bad_study(tmp_path, **changes) -> str:
     ({"tokens_per_parameter": [0.001, 10]}, "is less than one optimizer step"),
     ({"tokens_per_parameter": [0.5, 10]}, "decays before its warm-up"),
     ({"epochs": 3}, "epochs: unknown key"),
+    ({"hypotheses": {"spectron": "spectron-0.5"}}, "hypotheses: expected smet and hybrid_parts"),
+    ({"config": {"data": 3}}, "config: expected a mapping of config sections"),
     ({"methods": {"dense": {}, "big": {"training": {"global_batch_size": 64}}}},
      "methods.big: every method of a size reads the same tokens per step"),
     ({"reference": "sparse"}, "reference: expected one of the methods"),
@@ -99,3 +102,25 @@ def test_a_bad_study_is_refused_in_one_line(tmp_path, changes, message):
     lines = result.error_lines()
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_gpu_study_plans_its_device_hours_and_its_slurm_array_passes_a_dry_run(tmp_path):
+    """The papers' sizes (60M-1B, 20-80 tokens per parameter) on 8 GPUs per run: the plan prints the device-hours
+    and bytes per GPU; the job array (a task per trunk or straight-run set, 4 at a time) renders, nothing written."""
+    planned = megasparse_here("study", "plan", "gpu-ladder")
+    assert planned.returncode == 0, planned.stderr
+    lines = planned.stdout.splitlines()
+    assert lines[0].startswith("# study gpu-ladder: 5 methods x 4 sizes x 3 budgets, 22 trunks")
+    assert "hours on 8 device(s)" in lines[-1] and "device-hours" in lines[-1]
+    largest = [line.split() for line in lines if line.startswith("dense-llama-1b-s1234")]
+    for row, budget in zip(largest, (20, 40, 80), strict=True):  # 1,024 sequences of 1,024 tokens per step
+        non_embedding, tokens = int(row[2].replace(",", "")), int(row[4].replace(",", ""))
+        assert budget * non_embedding <= tokens < budget * non_embedding + 1024 * 1024
+        assert 0.5 < float(row[-1]) < 80  # persistent GB per GPU (ZeRO-1 over 8)
+    rendered = megasparse_here("study", "slurm", "gpu-ladder", "--gpus-per-node", "8", "--time", "1-00:00:00",
+                               "--out", str(tmp_path / "study"), "--dry-run")
+    assert rendered.returncode == 0, rendered.stderr
+    for line in ("#SBATCH --array=0-21%4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --requeue", "#SBATCH --signal=USR1@300", "study run", "scontrol requeue"):
+        assert line in rendered.stdout, line
+    assert not any(tmp_path.iterdir())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megasparse.errors import UserError
 from megasparse.launch import commands as cmd
-from megasparse.launch.slurm import SlurmJob, submit
+from megasparse.launch.slurm import SlurmJob, submit_job
 
 
 def add_launch_commands(subcommands) -> None:
@@ -112,14 +112,9 @@ def _slurm(args: argparse.Namespace) -> None:
              *cmd.train_arguments(args.config, [*overrides, f"training.output_dir={output_dir}"], "auto")]
     job = SlurmJob(train, output_dir, args.nodes, args.procs_per_node, args.job_name, args.cpus_per_task, args.time,
                    args.partition, args.account, args.gpus_per_node, args.signal_seconds, tuple(args.sbatch_option))
-    script = job.render()
-    if args.dry_run:
-        print(script, end="")
-        return
-    job.log_dir.mkdir(parents=True, exist_ok=True)
-    path = job.log_dir / f"{args.job_name}.sbatch"
-    path.write_text(script)
-    print(f"submitted job {submit(path)} ({path}); logs in {job.log_dir}")
+    submitted = submit_job(job, args.dry_run)
+    if submitted:
+        print(f"submitted job {submitted[0]} ({submitted[1]}); logs in {job.log_dir}")
 
 
 def _deepspeed(args: argparse.Namespace) -> None:

@@ -49,6 +49,19 @@ class SlurmJob:
         return _PLACEHOLDER.sub(lambda m: str(values[m[1]]), template)
 
 
+def submit_job(job: SlurmJob, dry_run: bool) -> tuple[int, Path] | None:
+    """Print the job's script (``dry_run``: nothing written, returns None), or write it to its log directory and
+    submit it: (job id, script path)."""
+    script = job.render()
+    if dry_run:
+        print(script, end="")
+        return None
+    job.log_dir.mkdir(parents=True, exist_ok=True)
+    path = job.log_dir / f"{job.job_name}.sbatch"
+    path.write_text(script)
+    return submit(path), path
+
+
 def submit(script: Path) -> int:
     """``sbatch --parsable SCRIPT``; returns the job id."""
     try:

@@ -42,6 +42,19 @@ def add_study_commands(commands: argparse._SubParsersAction) -> None:
     slurm.add_argument("--dry-run", action="store_true", help="print the array's script, submit nothing")
     slurm.set_defaults(run=_slurm)
 
+    fit = actions.add_parser("fit", help="fit scaling laws to a study's records: per method, jointly with a "
+                                         "multiplier per method, bootstrap intervals, a hold-out, frontiers; "
+                                         "JSON, markdown and figures")
+    _study_argument(fit)
+    _out_argument(fit)
+    fit.add_argument("--report", type=Path, metavar="DIR", help="where the report goes (default: OUT/report)")
+    fit.add_argument("--resamples", type=int, default=4000, help="bootstrap draws (default 4,000, as Besiroglu "
+                                                                 "et al.)")
+    fit.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed")
+    fit.add_argument("--starts", type=int, default=64, help="L-BFGS-B runs per fit, from the grid's starts with "
+                                                            "the lowest objective (default 64 of 5,400)")
+    fit.set_defaults(run=_fit)
+
 
 def _study_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("study", metavar="STUDY", help="a study YAML file or the name of a shipped study "
@@ -97,7 +110,7 @@ def _run(args: argparse.Namespace) -> None:
 
 def _slurm(args: argparse.Namespace) -> None:
     from megasparse.errors import UserError
-    from megasparse.launch.slurm import SlurmJob, submit
+    from megasparse.launch.slurm import SlurmJob, submit_job
 
     study, out, tasks = _tasks(args)
     procs = args.procs_per_node or study.devices
@@ -111,12 +124,30 @@ def _slurm(args: argparse.Namespace) -> None:
                    args.time, args.partition, args.account, args.gpus_per_node, args.signal_seconds,
                    tuple(args.sbatch_option), array=f"0-{len(tasks) - 1}%{args.concurrency}",
                    template="study.sbatch")
-    script = job.render()
-    if args.dry_run:
-        print(script, end="")
-        return
-    job.log_dir.mkdir(parents=True, exist_ok=True)
-    path = job.log_dir / f"{job.job_name}.sbatch"
-    path.write_text(script)
-    print(f"submitted job array {submit(path)} ({len(tasks)} tasks, at most {args.concurrency} at a time; "
-          f"{path}); logs in {job.log_dir}")
+    submitted = submit_job(job, args.dry_run)
+    if submitted:
+        print(f"submitted job array {submitted[0]} ({len(tasks)} tasks, at most {args.concurrency} at a time; "
+              f"{submitted[1]}); logs in {job.log_dir}")
+
+
+def _fit(args: argparse.Namespace) -> None:
+    from megasparse.errors import UserError
+    from megasparse.study.analysis import analyse
+    from megasparse.study.report import write_report
+    from megasparse.study.run import read_records
+    from megasparse.study.spec import load_study
+
+    study = load_study(args.study)
+    out = args.out or Path("studies") / study.name
+    records = read_records(out)
+    if not records:
+        raise UserError(f"{out}: no records (OUT/records/*.json): run the study first (megasparse study run)")
+    if args.resamples < 100:
+        raise UserError(f"--resamples {args.resamples}: at least 100 draws for 95 % intervals")
+    if args.starts < 1:
+        raise UserError(f"--starts {args.starts}: at least one start")
+    report = args.report or out / "report"
+    result = analyse(records, study.reference, args.resamples, args.seed, study.hypotheses, args.starts)
+    write_report(result, records, report, f"study {study.name}")
+    print(f"fitted {len(records)} runs of {len(result['methods'])} method(s); report in {report} (fit.json, "
+          "report.md, loss_vs_compute.png, isoflop.png, allocation.png, loss_vs_memory.png)")

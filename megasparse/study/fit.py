@@ -79,16 +79,19 @@ class Law:
         return self.E + self.A / (self.k.get(method, 1.0) * n) ** self.alpha + self.B / d ** self.beta
 
     def optimal(self, method: str, compute: float, flops_per_parameter_token: float = 6.0) -> tuple[float, float]:
-        """(N*, D*) minimising the loss at ``compute`` FLOPs, C = c N D (module docstring)."""
+        """(N*, D*) minimising the loss at ``compute`` FLOPs, C = c N D (module docstring); NaN when alpha or beta
+        is 0 (a term that does not fall has no finite optimum: the fit ended on a bound)."""
         k, a, b = self.k.get(method, 1.0), self.alpha, self.beta
+        if a <= 0 or b <= 0:
+            return math.nan, math.nan
         g = (a * self.A * k ** -a / (b * self.B)) ** (1 / (a + b))
         n = g * (compute / flops_per_parameter_token) ** (b / (a + b))
         return n, compute / flops_per_parameter_token / n
 
     @property
     def n_exponent(self) -> float:
-        """N* grows as C to this power: beta / (alpha + beta)."""
-        return self.beta / (self.alpha + self.beta)
+        """N* grows as C to this power: beta / (alpha + beta) (NaN when both are 0)."""
+        return self.beta / (self.alpha + self.beta) if self.alpha + self.beta > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,10 @@ class Fit:
 
 
 def fit_law(points: Sequence[Point], reference: str = "dense", grid: dict[str, Sequence[float]] | None = None,
-            start: Law | None = None) -> Fit:
+            start: Law | None = None, starts: int = OPTIMISED_STARTS) -> Fit:
     """The law fitted to ``points``: one method's (no k), or several jointly, ``reference`` having k = 1 (then it
-    must be among them). From the best starts of ``grid`` (default :data:`GRID`; the log k start at 0), or from
-    ``start`` alone."""
+    must be among them). From the ``starts`` best starts of ``grid`` (default :data:`GRID`; the log k start at 0),
+    or from ``start`` alone."""
     from scipy.optimize import minimize
 
     methods = sorted({p.method for p in points})
@@ -137,15 +140,16 @@ def fit_law(points: Sequence[Point], reference: str = "dense", grid: dict[str, S
         return float(huber.sum()), gradient
 
     if start is not None:
-        starts = [np.array([math.log(start.E), math.log(start.A), math.log(start.B), start.alpha, start.beta,
+        initial = [np.array([math.log(start.E), math.log(start.A), math.log(start.B), start.alpha, start.beta,
                             *(math.log(start.k.get(m, 1.0)) for m in others)])]
     else:  # the grid's starts, evaluated; L-BFGS from the lowest OPTIMISED_STARTS of them
         g = grid or GRID
-        starts = [np.clip([*values, *([0.0] * len(others))], [lo for lo, _ in bounds], [hi for _, hi in bounds])
-                  for values in itertools.product(g["e"], g["a"], g["b"], g["alpha"], g["beta"])]
-        starts = sorted(starts, key=lambda x0: objective(x0)[0])[:OPTIMISED_STARTS]
+        grid_starts = [np.clip([*values, *([0.0] * len(others))], [lo for lo, _ in bounds],
+                               [hi for _, hi in bounds])
+                       for values in itertools.product(g["e"], g["a"], g["b"], g["alpha"], g["beta"])]
+        initial = sorted(grid_starts, key=lambda x0: objective(x0)[0])[:starts]
     best = None
-    for x0 in starts:
+    for x0 in initial:
         result = minimize(objective, np.clip(x0, [lo for lo, _ in bounds], [hi for _, hi in bounds]), jac=True,
                           method="L-BFGS-B", bounds=bounds, options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12})
         if best is None or result.fun < best.fun:
@@ -159,7 +163,7 @@ def fit_law(points: Sequence[Point], reference: str = "dense", grid: dict[str, S
     # precision): converged is its own success or a gradient of at most GRADIENT_TOLERANCE off the bounds
     free = [i for i, name in enumerate(names) if name not in on_bound]
     converged = bool(best.success) or float(np.abs(best.jac[free]).max(initial=0.0)) <= GRADIENT_TOLERANCE
-    return Fit(law, float(best.fun), converged, on_bound, len(starts))
+    return Fit(law, float(best.fun), converged, on_bound, len(initial))
 
 
 def _check_enough(points: Sequence[Point]) -> None:
@@ -207,11 +211,13 @@ def bootstrap(points: Sequence[Point], fitted: Fit, resamples: int, seed: int = 
 
 
 def interval(laws: Sequence[Law], quantity: Callable[[Law], float], level: float = 0.95) -> tuple[float, float]:
-    """The central ``level`` interval of ``quantity`` over bootstrap laws (percentiles)."""
+    """The central ``level`` interval of ``quantity`` over bootstrap laws (percentiles); NaN when a draw has none."""
     if not laws:
         raise UserError("no bootstrap laws to take an interval from")
     values = np.array([quantity(law) for law in laws])
     tail = (1 - level) / 2 * 100
+    if np.isnan(values).any():  # a quantity some draws cannot give (no finite optimum): no interval
+        return math.nan, math.nan
     return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
 
 

@@ -165,4 +165,4 @@ def plan_table(study: Study, runs: list[Run]) -> str:
         f"# rules: {study.rules}", *lines,
         f"# in all: {total:.3g} FLOPs executed (trunks, their cooldowns and the straight runs; every budget run "
         f"straight: {separate:.3g}, {separate / total:.2f}x), about {hours:,.1f} hours on {study.devices} device(s) "
-        f"at {study.flops_per_device:.3g} FLOP/s each"])
+        f"at {study.flops_per_device:.3g} FLOP/s each ({hours * study.devices:,.0f} device-hours)"])

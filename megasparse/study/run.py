@@ -76,8 +76,10 @@ class Task:
 
 
 def study_tasks(study: Study, runs: list[Run], out: Path) -> list[Task]:
-    """Every task of ``runs`` with its configs pointed into ``out`` (and its corpus, unless the study names one)."""
-    data_path = str((out / "data").resolve()) if "path" not in study.config.get("data", {}) else None
+    """Every task of ``runs`` with its configs pointed into ``out``, and at the study's corpus: ``out/data``, or the
+    study's ``data.path`` made absolute (an array task's working directory is not the submitter's)."""
+    data_path = str((out / "data").resolve() if "path" not in study.config.get("data", {}) else
+                    Path(runs[0].config.data.path).resolve())
     tasks = []
     for run in runs:
         directory = out.resolve() / "runs" / run.name
@@ -98,12 +100,11 @@ def study_tasks(study: Study, runs: list[Run], out: Path) -> list[Task]:
     return tasks
 
 
-def _placed(cfg: Config, directory: Path, data_path: str | None) -> Config:
+def _placed(cfg: Config, directory: Path, data_path: str) -> Config:
     raw = cfg.to_dict()
     raw["training"]["output_dir"] = str(directory)
     raw["checkpoint"]["dir"] = ""
-    if data_path:
-        raw["data"]["path"] = data_path
+    raw["data"]["path"] = data_path
     return config_from_dict(raw)
 
 

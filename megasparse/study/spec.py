@@ -12,7 +12,10 @@
   reference's shape (so every method of a size reads the same tokens);
 - ``decay_fraction``: each budget's cooldown, the last fraction of its steps;
 - ``seeds``: the seeds of every cell, and ``extra_seeds``: more seeds at chosen (method, size) cells;
-- ``hardware``: ``devices`` and sustained ``flops_per_device`` (FLOP/s), for the time estimate.
+- ``hardware``: ``devices`` and sustained ``flops_per_device`` (FLOP/s), for the time estimate;
+- ``hypotheses`` (optional): the methods the papers' hypotheses compare (``study fit`` tests them):
+  ``smet`` (a list: each one's gap to the reference), ``spectron`` (its N* exponent against the reference's),
+  ``hybrid`` and ``hybrid_parts`` (its multiplier k against the larger of theirs).
 
 Every key is checked when the file is read; a mistake is one line naming it.
 """
@@ -28,7 +31,8 @@ import yaml
 from megasparse.errors import UserError
 
 KEYS = {"base", "config", "reference", "methods", "sizes", "rules", "tokens_per_parameter", "decay_fraction", "seeds",
-        "extra_seeds", "hardware"}
+        "extra_seeds", "hardware", "hypotheses"}
+HYPOTHESES = {"smet": list, "spectron": str, "hybrid": str, "hybrid_parts": list}
 SIZE_SECTIONS = {"model", "optimizer", "training"}
 
 
@@ -47,6 +51,7 @@ class Study:
     extra_seeds: dict[tuple[str, str], tuple[int, ...]]
     devices: int
     flops_per_device: float
+    hypotheses: dict[str, Any]
 
     @property
     def name(self) -> str:
@@ -116,7 +121,16 @@ def _checked(path: Path, data: dict[str, Any]) -> Study:
             and hardware["flops_per_device"] > 0):
         raise UserError(f"{path}: hardware: devices must be a positive integer and flops_per_device a positive "
                         f"number, got {hardware!r}")
+    hypotheses = data.get("hypotheses") or {}
+
+    def named(key: str, value: Any) -> bool:
+        return key in HYPOTHESES and isinstance(value, HYPOTHESES[key]) and all(
+            isinstance(m, str) and m in methods for m in (value if isinstance(value, list) else [value]))
+
+    if not isinstance(hypotheses, dict) or not all(named(k, v) for k, v in hypotheses.items()):
+        raise UserError(f"{path}: hypotheses: expected smet and hybrid_parts (lists of methods), spectron and hybrid "
+                        f"(a method each), naming methods of the study; got {hypotheses!r}")
     return Study(path, need("base", str, bool, "a config's name or path"), common, reference, methods, sizes,
                  need("rules", str, bool, "the learning-rate and batch rules, with their reasons"),
                  tuple(float(x) for x in sorted(budgets)), float(decay), tuple(seeds), extra,
-                 hardware["devices"], float(hardware["flops_per_device"]))
+                 hardware["devices"], float(hardware["flops_per_device"]), hypotheses)
