@@ -242,9 +242,9 @@ def test_a_study_runs_as_a_slurm_job_array_and_a_stopped_task_is_requeued(slurm,
     training ranks (as --signal sends before the time limit) makes it checkpoint, exit 75 and requeue itself,
     and every budget ends recorded."""
     path = write_study(tmp_path, dataset, methods={"dense": {}}, hypotheses={}, sizes={
-        size: TINY_STUDY["sizes"][size] for size in ("a", "b")})
+        "a": TINY_STUDY["sizes"]["a"], "b": TINY_STUDY["sizes"]["b"]})
     out = tmp_path / "out"
-    env = {**ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"], "MEGASPARSE_FAULTS": "slow@6-12"}
+    env = {**ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"], "MEGASPARSE_FAULTS": "slow@6-7"}
     submitted = megasparse("study", "slurm", path, "--out", str(out), "--concurrency", "2", "--time", "00:20:00",
                            launcher="none", env=env).check()
     job = int(re.search(r"submitted job array (\d+) \(2 tasks, at most 2 at a time", submitted.stdout)[1])
