@@ -239,8 +239,8 @@ def test_slurm_prepares_a_mixture_in_parallel_then_indexes_it(slurm, corpus, tmp
 
 def test_a_study_runs_as_a_slurm_job_array_and_a_stopped_task_is_requeued(slurm, dataset, tmp_path):
     """`megasparse study slurm`: a task per (method, size, seed), at most 2 at a time; SIGUSR1 to one task's
-    training ranks (as --signal sends before the time limit) makes it checkpoint, exit 75 and requeue itself,
-    and every budget ends recorded."""
+    batch script (as --signal=B: sends before the time limit) reaches its runner, whose training ranks checkpoint
+    and exit; the runner exits 75, the task requeues itself, and every budget ends recorded."""
     path = write_study(tmp_path, dataset, methods={"dense": {}}, hypotheses={}, sizes={
         "a": TINY_STUDY["sizes"]["a"], "b": TINY_STUDY["sizes"]["b"]})
     out = tmp_path / "out"
@@ -253,7 +253,7 @@ def test_a_study_runs_as_a_slurm_job_array_and_a_stopped_task_is_requeued(slurm,
     while not (log.exists() and "fault: slow step" in log.read_text()):
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    slurm.command("scancel", "--signal=USR1", f"{job}_1").check_returncode()
+    slurm.command("scancel", "--batch", "--signal=USR1", f"{job}_1").check_returncode()
     slurm.wait(f"{job}_1", lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
     slurm.command("scontrol", "update", f"JobId={job}_1", "StartTime=now+5").check_returncode()
     for task in (0, 1):
@@ -261,5 +261,6 @@ def test_a_study_runs_as_a_slurm_job_array_and_a_stopped_task_is_requeued(slurm,
         batch_log = next((out / "logs").glob(f"study-tiny-{job}_{task}.out")).read_text()
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", batch_log
     assert "requeueing task 1" in batch_log and "restart 1" in batch_log
+    assert (out / "tiny.yaml").is_file()  # the array read the copy submitted
     assert sorted(p.stem for p in (out / "records").glob("*.json")) == [
         f"dense-{size}-s1-tpp-{budget}" for size in "ab" for budget in ("0.5", "1")]

@@ -121,6 +121,6 @@ def test_the_gpu_study_plans_its_device_hours_and_its_slurm_array_passes_a_dry_r
                                "--out", str(tmp_path / "study"), "--dry-run")
     assert rendered.returncode == 0, rendered.stderr
     for line in ("#SBATCH --array=0-21%4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --requeue", "#SBATCH --signal=USR1@300", "study run", "scontrol requeue"):
+                 "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300", "study run", "scontrol requeue"):
         assert line in rendered.stdout, line
     assert not any(tmp_path.iterdir())

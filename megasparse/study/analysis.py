@@ -27,7 +27,7 @@ import numpy as np
 
 from megasparse.errors import UserError
 from megasparse.study.fit import (OPTIMISED_STARTS, Bootstrap, Fit, Law, Point, bootstrap, fit_law, interval,
-                                  isoflop_optima)
+                                  isoflop_optima, percentile_interval)
 
 FRONTIER_AXES = {"executed_flops": "FLOPs executed", "theoretical_flops": "FLOPs theoretical",
                  "persistent_bytes_per_device": "persistent bytes per device"}
@@ -142,7 +142,10 @@ def best_at_budgets(fronts: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
 
 
 def verdict(low: float, high: float, supported_if: str) -> str:
-    """Supported when the interval lies on the hypothesis's side of zero, contradicted when on the other."""
+    """Supported when the interval lies on the hypothesis's side of zero, contradicted when on the other; undetermined
+    when too many draws could not give the quantity (fits with no finite optimum)."""
+    if math.isnan(low) or math.isnan(high):
+        return "undetermined (too many degenerate fits)"
     above, below = low > 0, high < 0
     if not (above or below):
         return "not resolved at this scale"
@@ -189,9 +192,8 @@ def multiplier_slope(records: Sequence[dict[str, Any]], method: str, joint: Fitt
     for law in joint.draws.laws:
         drawn = cell_multipliers(law, records, method)
         value = slope(rng.integers(0, len(drawn), len(drawn)), drawn) if drawn else None
-        if value is not None:
-            draws.append(value)
-    low, high = np.percentile(draws, [2.5, 97.5])
+        draws.append(math.nan if value is None else value)
+    low, high = percentile_interval(draws)
     by_size: dict[str, list[float]] = {}
     for (size, _), k in cells.items():
         by_size.setdefault(size, []).append(math.log(k))
@@ -200,14 +202,15 @@ def multiplier_slope(records: Sequence[dict[str, Any]], method: str, joint: Fitt
                                                                                 key=lambda kv: size_n[kv[0]])},
             "cells_left_out": sum(1 for r in {(r["size"], r["tokens_per_parameter"]) for r in records
                                                if r["method"] == method} if r not in cells),
-            "draws_kept": len(draws), "verdict": verdict(low, high, "positive")}
+            "draws_kept": int(np.isfinite(draws).sum()), "verdict": verdict(low, high, "positive")}
 
 
 def difference(first: Fitted, second: Fitted, quantity: Callable[[Law], float]) -> list[float]:
-    """The 95 % interval of quantity(first) - quantity(second) over paired draws of two independent bootstraps."""
+    """The 95 % interval of quantity(first) - quantity(second) over draws of two independent bootstraps (their
+    cells resampled with different seeds), the i-th draw of one against the i-th of the other."""
     count = min(len(first.draws.laws), len(second.draws.laws))
-    values = [quantity(a) - quantity(b) for a, b in zip(first.draws.laws[:count], second.draws.laws[:count])]
-    return [float(v) for v in np.percentile(values, [2.5, 97.5])]
+    return list(percentile_interval([quantity(a) - quantity(b)
+                                     for a, b in zip(first.draws.laws[:count], second.draws.laws[:count])]))
 
 
 def seed_spread(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -229,7 +232,9 @@ def analyse(records: Sequence[dict[str, Any]], reference: str, resamples: int = 
     methods = sorted({p.method for p in pts})
     if reference not in methods:
         raise UserError(f"no records of the reference method '{reference}' (methods recorded: {', '.join(methods)})")
-    per_method = {m: fitted([p for p in pts if p.method == m], reference, resamples, seed, starts) for m in methods}
+    # each method's bootstrap its own seed: independent draws (H2 compares two of them)
+    per_method = {m: fitted([p for p in pts if p.method == m], reference, resamples, seed + 1 + i, starts)
+                  for i, m in enumerate(methods)}
     joint = fitted(pts, reference, resamples, seed, starts)
     levels = compute_levels(records)
     out: dict[str, Any] = {

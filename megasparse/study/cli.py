@@ -22,6 +22,8 @@ def add_study_commands(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--task", type=int, metavar="I", help="only task I (a (method, size, seed) in the plan's "
                                                            "order, from 0; a Slurm array's index)")
     run.add_argument("--dry-run", action="store_true", help="list the tasks and what each has left; train nothing")
+    run.add_argument("--prepare-only", action="store_true", help="prepare the study's corpus (once), train nothing: "
+                                                                 "before a Slurm array, on a node with the CPUs")
     run.set_defaults(run=_run)
 
     slurm = actions.add_parser("slurm", help="submit a study as a Slurm job array: a task per (method, size, seed), "
@@ -95,7 +97,7 @@ def _tasks(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> None:
-    from megasparse.study.run import run_study
+    from megasparse.study.run import prepare_corpus, run_study
 
     study, out, tasks = _tasks(args)
     if args.dry_run:
@@ -104,8 +106,11 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{task.run.name}: {len(task.budgets) - len(left)} of {len(task.budgets)} budgets recorded"
                   + (f"; to train: {'trunk, ' if task.trunk and left else ''}{', '.join(left)}" if left else ""))
         return
-    status = run_study(study, tasks, out, study.devices)
-    sys.exit(status)
+    if args.prepare_only:
+        data = tasks[0].budgets[0].config
+        print(f"the study's corpus: {data.data.path} (index sha256 {prepare_corpus(data, data.data.path)})")
+        return
+    sys.exit(run_study(study, tasks, study.devices))
 
 
 def _slurm(args: argparse.Namespace) -> None:
@@ -119,15 +124,40 @@ def _slurm(args: argparse.Namespace) -> None:
     if args.concurrency <= 0:
         raise UserError(f"--concurrency {args.concurrency}: at least one task at a time")
     out = out.resolve()
-    command = [sys.executable, "-m", "megasparse", "study", "run", str(study.path.resolve()), "--out", str(out)]
+    corpus = Path(tasks[0].budgets[0].config.data.path)
+    if not (corpus / "index.json").is_file():
+        unprepared = (f"{corpus}: the study's corpus is not prepared; prepare it once before the array: "
+                      f"megasparse study run {args.study} --out {out} --prepare-only")
+        if not args.dry_run:
+            raise UserError(unprepared)
+        print(f"megasparse: warning: {unprepared}", file=sys.stderr)
+    # the array's tasks read a copy, its corpus path absolute: indices and runs stay those submitted, whatever
+    # becomes of the study's file while the tasks wait or are requeued
+    copy = out / study.path.name
+    text = _submitted_study(study, corpus)
+    if copy.is_file() and copy.read_text() != text:
+        raise UserError(f"{copy}: another version of the study was submitted to this directory; use another --out")
+    command = [sys.executable, "-m", "megasparse", "study", "run", str(copy), "--out", str(out)]
     job = SlurmJob(command, out, study.devices // procs, procs, f"study-{study.name}", args.cpus_per_task,
                    args.time, args.partition, args.account, args.gpus_per_node, args.signal_seconds,
                    tuple(args.sbatch_option), array=f"0-{len(tasks) - 1}%{args.concurrency}",
                    template="study.sbatch")
+    if not args.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+        copy.write_text(text)
     submitted = submit_job(job, args.dry_run)
     if submitted:
         print(f"submitted job array {submitted[0]} ({len(tasks)} tasks, at most {args.concurrency} at a time; "
               f"{submitted[1]}); logs in {job.log_dir}")
+
+
+def _submitted_study(study, corpus: Path) -> str:
+    """The study's YAML as an array reads it: its corpus named by absolute path."""
+    import yaml
+
+    data = yaml.safe_load(study.path.read_text(encoding="utf-8"))
+    data.setdefault("config", {}).setdefault("data", {})["path"] = str(corpus)
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def _fit(args: argparse.Namespace) -> None:
@@ -139,9 +169,17 @@ def _fit(args: argparse.Namespace) -> None:
 
     study = load_study(args.study)
     out = args.out or Path("studies") / study.name
-    records = read_records(out)
+    found = read_records(out)
+    records = [r for r in found if r["method"] in study.methods and r["size"] in study.sizes]
     if not records:
-        raise UserError(f"{out}: no records (OUT/records/*.json): run the study first (megasparse study run)")
+        raise UserError(f"{out}: no records of this study's methods and sizes (OUT/records/*.json): run the study "
+                        "first (megasparse study run)")
+    corpora = {r["data_index_sha256"] for r in records}
+    if len(corpora) > 1:
+        raise UserError(f"{out}: the records were trained on {len(corpora)} different corpora (data_index_sha256); "
+                        "a fit needs one")
+    if len(records) < len(found):
+        print(f"left out {len(found) - len(records)} record(s) of methods or sizes the study no longer has")
     if args.resamples < 100:
         raise UserError(f"--resamples {args.resamples}: at least 100 draws for 95 % intervals")
     if args.starts < 1:

@@ -90,8 +90,8 @@ class Law:
 
     @property
     def n_exponent(self) -> float:
-        """N* grows as C to this power: beta / (alpha + beta) (NaN when both are 0)."""
-        return self.beta / (self.alpha + self.beta) if self.alpha + self.beta > 0 else math.nan
+        """N* grows as C to this power: beta / (alpha + beta) (NaN when alpha or beta is 0, as :meth:`optimal`)."""
+        return self.beta / (self.alpha + self.beta) if self.alpha > 0 and self.beta > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -211,14 +211,22 @@ def bootstrap(points: Sequence[Point], fitted: Fit, resamples: int, seed: int = 
 
 
 def interval(laws: Sequence[Law], quantity: Callable[[Law], float], level: float = 0.95) -> tuple[float, float]:
-    """The central ``level`` interval of ``quantity`` over bootstrap laws (percentiles); NaN when a draw has none."""
+    """The central ``level`` interval of ``quantity`` over bootstrap laws (percentiles), of the draws that give it:
+    a draw without it (a law with no finite optimum: NaN) is left out, unless more than a tail's share of the draws
+    lack it (then the interval is NaN: the tail itself is unknown)."""
     if not laws:
         raise UserError("no bootstrap laws to take an interval from")
-    values = np.array([quantity(law) for law in laws])
-    tail = (1 - level) / 2 * 100
-    if np.isnan(values).any():  # a quantity some draws cannot give (no finite optimum): no interval
+    return percentile_interval([quantity(law) for law in laws], level)
+
+
+def percentile_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` interval of ``values`` with NaNs left out, NaN when more than a tail's share are NaN."""
+    array = np.asarray(values, dtype=float)
+    tail = (1 - level) / 2
+    finite = array[~np.isnan(array)]
+    if len(finite) == 0 or np.isnan(array).mean() > tail:
         return math.nan, math.nan
-    return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
+    return float(np.percentile(finite, tail * 100)), float(np.percentile(finite, 100 - tail * 100))
 
 
 def isoflop_optima(points: Sequence[Point], flops_per_parameter_token: float = 6.0,

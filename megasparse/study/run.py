@@ -16,9 +16,10 @@ checkpoint (``--resume auto``). A record written under another config (its hash)
 trains. A task is held by one runner at a time (an exclusive lock on ``OUT/runs/RUN/lock``; a runner skips a
 task another holds), so two local runners, or a Slurm array's tasks and a requeued one, share a study directory.
 
-A stop request (SIGTERM, SIGINT, SIGUSR1) is passed to the training process, which saves a checkpoint at the
-next step and exits (docs/reliability.md); the runner then exits with :data:`INTERRUPTED`, which the Slurm array's
-script answers by requeueing the task.
+A stop request (SIGTERM, SIGINT, SIGUSR1) is passed to the training process (:class:`Stops`), which saves a
+checkpoint at the next step and exits (docs/reliability.md); the runner starts nothing more and exits with
+:data:`INTERRUPTED`, which the Slurm array's script answers by requeueing the task. Run directories trained under
+another config of their run (the study changed) are refused, as records are.
 """
 from __future__ import annotations
 
@@ -132,36 +133,58 @@ def check_records(tasks: list[Task]) -> None:
                                     "remove the record to rerun it")
 
 
-def run_study(study: Study, tasks: list[Task], out: Path, devices: int) -> int:
-    """Train every unrecorded budget of ``tasks``; 0 when all of them are recorded, :data:`INTERRUPTED` when a
-    stop request ended a run (run again to resume), 1 when another runner still holds a task."""
-    check_records(tasks)
+class Stops:
+    """The runner's stop requests (SIGTERM, SIGINT, SIGUSR1), from ``with Stops(...)`` on: recorded, passed to the
+    running training process as the signal its launcher stops cleanly on (srun: SIGUSR1, which it forwards to the
+    ranks; a SIGTERM would make it kill them; torchrun and one process: SIGTERM), and no run starts after one."""
+
+    def __init__(self, clean: signal.Signals) -> None:
+        self.clean, self.requested, self.process = clean, False, None
+
+    def __enter__(self) -> "Stops":
+        self._previous = {s: signal.signal(s, self._request) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _request(self, signum: int, frame) -> None:
+        self.requested = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(self.clean)
+
+
+def run_study(study: Study, tasks: list[Task], devices: int) -> int:
+    """Train every unrecorded budget of ``tasks`` (their records checked already: :func:`check_records`); 0 when
+    all of them are recorded, :data:`INTERRUPTED` when a stop request ended the runner (run again to resume), 1
+    when another runner still holds a task."""
     index = prepare_corpus(tasks[0].budgets[0].config, tasks[0].budgets[0].config.data.path)
     held = 0
-    for task in tasks:
-        if all(b.record.is_file() for b in task.budgets):
-            continue
-        task.directory.mkdir(parents=True, exist_ok=True)
-        with open(task.directory / "lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                print(f"[study] {task.run.name}: held by another runner; skipped", flush=True)
-                held += 1
+    with Stops(signal.SIGUSR1 if "SLURM_JOB_ID" in os.environ else signal.SIGTERM) as stops:
+        for task in tasks:
+            if all(b.record.is_file() for b in task.budgets):
                 continue
-            status = _run_task(study, task, devices, index, lock.fileno())
-            if status:
-                return status
+            task.directory.mkdir(parents=True, exist_ok=True)
+            with open(task.directory / "lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    print(f"[study] {task.run.name}: held by another runner; skipped", flush=True)
+                    held += 1
+                    continue
+                if _run_task(study, task, devices, index, lock.fileno(), stops):
+                    return INTERRUPTED
     return 1 if held else 0
 
 
-def _run_task(study: Study, task: Task, devices: int, index: str, lock: int) -> int:
+def _run_task(study: Study, task: Task, devices: int, index: str, lock: int, stops: Stops) -> bool:
+    """Train the task's unrecorded budgets (and its trunk first); whether a stop request ended it."""
     trunk_dir = task.directory / "trunk"
-    if task.trunk is not None and not _finished(task.trunk):
+    if task.trunk is not None and not (_resumable(task.trunk) and _finished(task.trunk)):
         print(f"[study] {task.run.name}: trunk to step {task.trunk.training.steps:,}", flush=True)
-        status = _train(task.trunk, None, devices, lock)
-        if status:
-            return status
+        if _train(task.trunk, None, devices, lock, stops):
+            return True
     for budget in task.budgets:
         if budget.record.is_file():
             continue
@@ -169,11 +192,10 @@ def _run_task(study: Study, task: Task, devices: int, index: str, lock: int) -> 
         branch_point = trunk_dir / "checkpoints" / start if task.trunk is not None else None
         print(f"[study] {budget.name}: {budget.steps:,} steps"
               + (f", branched from the trunk's {start}" if branch_point else ", straight"), flush=True)
-        status = _train(budget.config, branch_point, devices, lock)
-        if status:
-            return status
+        if _train(budget.config, branch_point, devices, lock, stops):
+            return True
         write_record(budget, record(study, budget, index, trunk_dir if task.trunk is not None else None))
-    return 0
+    return False
 
 
 def _finished(cfg: Config) -> bool:
@@ -181,15 +203,31 @@ def _finished(cfg: Config) -> bool:
     return any(p.name == tag_for(cfg.training.steps) for p in complete_checkpoints(cfg.checkpoint_dir))
 
 
-def _train(cfg: Config, branch_point: Path | None, devices: int, lock: int) -> int:
-    """``megasparse train`` on ``cfg``: resumed from its own newest checkpoint, else from ``branch_point``, else
-    from scratch (a killed attempt without a checkpoint is started over). Returns 0, or :data:`INTERRUPTED`.
+def _resumable(cfg: Config) -> bool:
+    """Whether the run's directory holds checkpoints to resume; refused when another config trained them."""
+    if not complete_checkpoints(cfg.checkpoint_dir):
+        return False
+    written = Path(cfg.training.output_dir) / "config.yaml"
+    if written.is_file():
+        trained = config_hash(config_from_dict(yaml.safe_load(written.read_text())))
+        if trained != config_hash(cfg):
+            raise UserError(f"{written.parent}: trained under another config of this run (hash {trained}, now "
+                            f"{config_hash(cfg)}): the study changed; use another --out or remove that directory")
+    return True
 
-    The training process runs in its own session (a terminal's Ctrl-C reaches the runner, which passes it on as
-    SIGTERM: a checkpoint, then a clean exit) and inherits the task's lock, so a runner killed outright leaves
+
+def _train(cfg: Config, branch_point: Path | None, devices: int, lock: int, stops: Stops) -> bool:
+    """``megasparse train`` on ``cfg``: resumed from its own newest checkpoint, else from ``branch_point``, else
+    from scratch (a killed attempt without a checkpoint is started over). Whether a stop request ended it (or
+    came before it started: then nothing starts).
+
+    The training process runs in its own session (a terminal's Ctrl-C reaches the runner only, which passes it on
+    as a clean stop: a checkpoint, then an exit) and inherits the task's lock, so a runner killed outright leaves
     the task held until its training process ends too."""
+    if stops.requested:
+        return True
     directory = Path(cfg.training.output_dir)
-    if complete_checkpoints(cfg.checkpoint_dir):
+    if _resumable(cfg):
         resume: list[str] = ["--resume", "auto"]
     else:
         if directory.exists():
@@ -207,28 +245,21 @@ def _train(cfg: Config, branch_point: Path | None, devices: int, lock: int) -> i
         command = [sys.executable, "-m", "megasparse", *train]
     started = time.monotonic()
     with open(directory / "train.log", "a") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   pass_fds=(lock,))
-
-        def forward(signum: int, frame) -> None:
-            process.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
-
-        previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
-        try:
-            status = process.wait()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        stops.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         pass_fds=(lock,))
+        status = stops.process.wait()
+        stops.process = None
     _add_wall_time(directory, time.monotonic() - started)
+    # a stop that came before the trainer listened (start-up, loading) ends the process with an error: a stop still
+    if (directory / MARKER).is_file() or (stops.requested and status != 0):
+        print(f"[study] {directory}: stopped by a signal; run the study again to resume", flush=True)
+        return True
     if status != 0:
-        tail = (directory / "train.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
-        raise UserError(f"{directory}: megasparse train failed (exit {status}): {tail[0]} (log: "
+        lines = (directory / "train.log").read_text(errors="replace").strip().splitlines() or [""]
+        cause = next((line for line in reversed(lines) if "error:" in line), lines[-1])
+        raise UserError(f"{directory}: megasparse train failed (exit {status}): {cause.strip()} (log: "
                         f"{directory / 'train.log'})")
-    if (directory / MARKER).is_file():
-        print(f"[study] {directory}: stopped by a signal after a checkpoint; run the study again to resume",
-              flush=True)
-        return INTERRUPTED
-    return 0
+    return stops.requested
 
 
 def _add_wall_time(directory: Path, seconds: float) -> None:
@@ -284,10 +315,19 @@ def record(study: Study, budget: Budget, index: str, trunk: Path | None) -> dict
 
 
 def write_record(budget: Budget, values: dict[str, Any]) -> None:
+    """The record, durably: written to a temporary file, synced, renamed into place, the directory synced."""
     budget.record.parent.mkdir(parents=True, exist_ok=True)
     temporary = budget.record.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(values, indent=1) + "\n")
+    with open(temporary, "w") as file:
+        file.write(json.dumps(values, indent=1) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(temporary, budget.record)
+    directory = os.open(budget.record.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def source_commit() -> str:
