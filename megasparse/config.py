@@ -313,6 +313,8 @@ class TrainingConfig:
     eval_samples: int = number(256, ge=0)  # validation sequences per evaluation; 0: no evaluation
     output_dir: str = path_key("runs/default", "output_directory")  # metrics.jsonl, TensorBoard logs, resolved config
     max_skipped_steps: int = number(5, ge=0)  # consecutive steps with non-finite gradients (skipped) that stop the run; 0: never
+    # a Slurm job's starts in a row from the same checkpoint that make it refuse to start again (train/restarts.py); 0: never
+    max_restarts_without_progress: int = number(3, ge=0)
     # recompute each block's activations in backward (megasparse.model.execution): none; full: keep only the block's
     # input, rerun its forward; selective: keep the matrix products' and attention's outputs, recompute the rest
     activation_checkpointing: Literal["none", "full", "selective"] = "none"

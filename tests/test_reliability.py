@@ -163,6 +163,43 @@ def test_nonfinite_loss_skips_the_step_everywhere(dataset, tmp_path, zero):
     assert not torch.equal(checkpoint(out, 4)["lm_head.weight"], after["lm_head.weight"])  # training went on
 
 
+def test_a_window_with_a_skipped_step_logs_the_steps_that_ran_and_a_resume_keeps_the_count(dataset, tmp_path):
+    """NaN loss on rank 1 at step 3, losses logged every 2 steps: the window of steps 3-4 logs step 4's loss (not
+    NaN); stopped at step 4 and resumed to step 8, the run still counts the one skipped step."""
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", logging={"log_interval": 2}, training={"steps": 4})
+    train(config, faults="nan_loss@3:1").check()
+    first = read_metrics(out)
+    assert [r["step"] for r in first] == [2, 4] and all(r["loss"] == r["loss"] for r in first)
+    config = fault_config(dataset, out, "dense", logging={"log_interval": 2}, training={"steps": 8})
+    train(config, "--resume", "auto").check()
+    assert [(r["step"], r["skipped_steps"]) for r in read_metrics(out)] == [(2, 0), (4, 1), (6, 1), (8, 1)]
+
+
+def test_a_job_started_again_and_again_without_progress_stops_requeueing(dataset, tmp_path):
+    """A Slurm job killed at step 3 on each start (its checkpoint at step 2): with
+    training.max_restarts_without_progress 2, its third start in a row from step 2 is refused in one line before any
+    process group; a start that made progress, or another job, counts afresh."""
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "dense", training={"max_restarts_without_progress": 2})
+
+    def start(restart: int, job: str = "77", faults: str = "kill@3"):
+        return megasparse("train", str(config), "--resume", "auto", nproc=2, env={
+            "MEGASPARSE_FAULTS": faults, "SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": str(restart)})
+
+    assert start(0).returncode != 0  # from scratch, killed at step 3, after the step-2 checkpoint
+    assert start(1).returncode != 0  # from step 2 (progress), killed again
+    assert start(2).returncode != 0  # from step 2 again: one start without progress
+    refused = start(3)
+    assert refused.returncode == 2 and set(refused.error_lines()) == {  # each rank's one line
+        "megasparse: error: job 77 was started 3 times in a row at step 2 without a new checkpoint "
+        "(training.max_restarts_without_progress=2): not requeueing again; see the logs of the earlier starts, then "
+        "resubmit with --resume auto"}, refused.stderr
+    assert start(0, job="78", faults="kill@5").returncode != 0  # a new job: trains, killed after step 4's checkpoint
+    assert start(1, job="78", faults="kill@5").returncode != 0  # from step 4: progress since the first start
+    assert start(2, job="78", faults="").returncode == 0
+
+
 def test_a_skipped_update_step_skips_its_topology_update(dataset, tmp_path):
     """SMET with RigL on 2 ranks, a non-finite loss on rank 1 at step 2, an update step: no topology update follows
     it (the gradients RigL would rank were not finite), so the masks and weights after step 2 are step 1's, and the

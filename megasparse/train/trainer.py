@@ -61,6 +61,7 @@ from megasparse.train.memory import held_bytes, is_projection
 from megasparse.train.metrics import MetricsLogger, WandbRun
 from megasparse.train.optim import build_optimizer
 from megasparse.train.preemption import StopRequests, clear_marker, write_marker
+from megasparse.train.restarts import check_restarts
 from megasparse.train.schedule import LearningRateSchedule
 from megasparse.train.throughput import device_peak_tflops, throughput
 
@@ -95,6 +96,7 @@ def start_processes(cfg: Config, resume: str | None = None) -> ParallelState:
     join the process group, create the TP x DP groups."""
     launch = discover_launch_env()
     preflight(cfg, launch.world_size, resume)
+    check_restarts(cfg, writes=launch.rank == 0)
     init_distributed(launch, cfg.parallel.timeout_minutes, Path(cfg.training.output_dir) / "nccl_traces")
     return create_groups(cfg.parallel.tensor_parallel, timedelta(minutes=cfg.parallel.timeout_minutes))
 
@@ -243,6 +245,7 @@ class Trainer:
         scheduler.base_lrs = list(self.configured_rates)
         for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["initial_lr"], group["lr"] = base, base * rate(scheduler.last_epoch)
+        self.skipped_steps = state.get("skipped_steps", 0)  # (checkpoints before it was saved: counted from here)
         dropped = self.loader.load_state_dict(state["loader"])
         self.loader.steps = meta.step  # the schedule's clock (a checkpoint's loader state may predate it)
         if dropped:
@@ -308,7 +311,8 @@ class Trainer:
                      f"read {epochs:,.2f} epoch(s)")
         rank0_runs(self._prepare_checkpoint_dir, "preparing the checkpoint directory")
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
-        window_loss, window_steps, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
+        window_loss, window_start = torch.zeros((), device=self.device), time.perf_counter()
+        window_steps = window_updates = 0  # the window's steps, and those of them not skipped
         while self.step < t.steps:
             log_now = (self.step + 1) % cfg.logging.log_interval == 0 or self.step + 1 == t.steps
             lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves on at its end)
@@ -332,15 +336,17 @@ class Trainer:
             if not self.memory_logged and not skipped:  # after the first step: the optimizer state exists
                 self.metrics.log("memory", self.step, **self._held_memory())
                 self.memory_logged = True
-            window_loss += loss
             window_steps += 1
+            if not skipped:  # a skipped step's loss (not finite on some rank) stays out of the window's mean
+                window_loss += loss
+                window_updates += 1
             if log_now:
                 dist.all_reduce(window_loss, group=self.dp_group)
                 get_accelerator().synchronize()  # the window's work done on the device before the clock is read
                 elapsed = time.perf_counter() - window_start
                 grad_norm = grad_norm if grad_norm is not None else self.engine.get_global_grad_norm()
                 values = {
-                    "loss": window_loss.item() / (window_steps * self.dp_size),
+                    "loss": window_loss.item() / (window_updates * self.dp_size) if window_updates else float("nan"),
                     "lr": lr,
                     **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
                     "tokens": self.step * tokens_per_step,
@@ -356,7 +362,8 @@ class Trainer:
                 }
                 self.metrics.log("train", self.step, **values)
                 window_loss.zero_()
-                window_steps, window_start = 0, time.perf_counter()
+                window_steps = window_updates = 0
+                window_start = time.perf_counter()
             self.metrics.advance()
             paused = time.perf_counter()  # what follows is left out of the window's time, not its steps
             if t.eval_samples > 0 and self._due(t.eval_interval, at_end=True):
@@ -525,7 +532,8 @@ class Trainer:
             mixture=self._mixture_record(),
         )
         save_checkpoint(self.engine, self.cfg, meta,
-                        {"loader": self.loader.state_dict(), "rng": rng_state()}, self.data.tokenizer_path)
+                        {"loader": self.loader.state_dict(), "rng": rng_state(), "skipped_steps": self.skipped_steps},
+                        self.data.tokenizer_path)
 
 
 def _log(message: str) -> None:
