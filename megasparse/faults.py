@@ -1,7 +1,9 @@
 """Fault injection for the reliability tests, driven by the ``MEGASPARSE_FAULTS`` environment variable.
 
 ``MEGASPARSE_FAULTS`` is a comma-separated list of ``KIND@STEPS`` or ``KIND@STEPS:RANK``, STEPS one
-step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op:
+step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op. The two that slow a run down, to give
+a test the time to signal it, happen on a Slurm job's first start only (a requeued start,
+``SLURM_RESTART_COUNT`` above 0, runs at full speed):
 
 - ``kill@K:R``: rank R kills itself (SIGKILL) as step K begins;
 - ``stop@K:R``: rank R stops itself (SIGSTOP, a hang) as step K begins;
@@ -15,6 +17,8 @@ step K or a range K-L, RANK 0 if omitted; unset, every hook is a no-op:
   as a non-deterministic sort could make it do (the ranks must notice that they disagree);
 - ``kill_during_save@K:R``: rank R kills itself (SIGKILL) after writing its first file of the
   step-K checkpoint, before the checkpoint is complete;
+- ``slow_save@K-L:R``: rank R sleeps 30 s after writing its first file of a checkpoint of a step K to L (a
+  save longer than a preemption's grace time);
 - ``kill_before_publish@K``: rank 0 kills itself after every file of the step-K checkpoint is
   written and checked, just before the directory is renamed into place.
 """
@@ -32,14 +36,18 @@ import torch
 from torch import nn
 
 _STEP = re.compile(r"step_(\d{8})")
+SLOWING = ("slow", "slow_save")
 
 
 @cache
 def _faults() -> dict[str, tuple[int, int, int]]:
     """kind -> (first step, last step, rank)."""
     faults = {}
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     for item in filter(None, os.environ.get("MEGASPARSE_FAULTS", "").split(",")):
         kind, _, where = item.partition("@")
+        if restarted and kind.strip() in SLOWING:
+            continue
         steps, _, rank = where.partition(":")
         first, _, last = steps.partition("-")
         faults[kind.strip()] = (int(first), int(last or first), int(rank or 0))
@@ -91,6 +99,9 @@ def skew_mask(packed: torch.Tensor, step: int) -> None:
 def after_checkpoint_file(path: str | Path) -> None:
     if _due("kill_during_save", _step_of(path)):
         _die()
+    if _due("slow_save", _step_of(path)):
+        os.write(2, f"[megasparse] fault: slow save of {path}\n".encode())
+        time.sleep(30.0)
 
 
 def before_publish(final: Path) -> None:

@@ -43,9 +43,18 @@ ReturnToService=2
 JobRequeue=1
 KillWait=30
 MinJobAge=3600
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+{preempt_parameters}
 NodeName=localhost CPUs={cpus} State=UNKNOWN
-PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
+PartitionName=low Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
+PartitionName=low-cancel Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL GraceTime=60
+PartitionName=low-brief Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=5
+PartitionName=high Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
+# Preemption as shared clusters set it up: a job on `high` preempts jobs on the `low*` partitions (partition
+# priority), which get their GraceTime to stop (SIGTERM to the job's steps first), then are requeued or cancelled.
 
 
 def missing_programs() -> list[str]:
@@ -55,7 +64,7 @@ def missing_programs() -> list[str]:
 class SlurmCluster:
     """Start with :meth:`start`, stop with :meth:`stop`; ``env`` points Slurm's commands at it."""
 
-    def __init__(self, root: Path, cpus: int = 4) -> None:
+    def __init__(self, root: Path, cpus: int = 8) -> None:
         self.root, self.cpus = root, cpus
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
@@ -67,8 +76,8 @@ class SlurmCluster:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
-        self.conf.write_text(SLURM_CONF.format(root=self.root, ctld_port=free_port(), slurmd_port=free_port(),
-                                               cpus=self.cpus))
+        self.ports = {"ctld_port": free_port(), "slurmd_port": free_port()}
+        self._write_conf("")
         munge = self.root / "munge"
         self._daemon("munged", "--force", f"--key-file={key}", f"--socket={munge / 'munge.socket'}",
                      f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
@@ -80,6 +89,20 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the test Slurm node did not become idle; see {self.root}/*.log")
             time.sleep(0.5)
+
+    def _write_conf(self, preempt_parameters: str) -> None:
+        self.conf.write_text(SLURM_CONF.format(root=self.root, cpus=self.cpus, preempt_parameters=preempt_parameters,
+                                               **self.ports))
+
+    def send_user_signal_at_preemption(self, on: bool) -> None:
+        """Have preemption send the job's ``--signal`` signal instead of SIGTERM (or not), on the running cluster:
+        ``PreemptParameters=send_user_signal`` from Slurm 23.02 on, ``SlurmctldParameters=preempt_send_user_signal``
+        before."""
+        version = tuple(map(int, re.findall(r"\d+", self.command("slurmctld", "-V").stdout)[:2]))
+        line = "PreemptParameters=send_user_signal" if version >= (23, 2) else \
+            "SlurmctldParameters=preempt_send_user_signal"
+        self._write_conf(line if on else "")
+        self.command("scontrol", "reconfigure").check_returncode()
 
     def stop(self) -> None:
         for pid_file in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):

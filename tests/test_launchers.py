@@ -1,5 +1,6 @@
 """``megasparse launch``, run for real: torchrun and the DeepSpeed launcher on one and on two "nodes",
-mpiexec, and sbatch on a real one-node Slurm cluster with preemption by SIGUSR1 and requeueing."""
+mpiexec, and sbatch on a real one-node Slurm cluster: partition-priority preemption (REQUEUE, CANCEL, a grace time
+shorter than the save, send_user_signal), requeueing, and a study's job array."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import pytest
 
 from helpers import (TIMEOUT_S, TINY_STUDY, assert_same_model, checkpoint, fork_server, megasparse, tiny_config,
                      train_losses, write_config, write_study)
+from megasparse.checkpoint.files import tag_for
 from megasparse.data.shards import open_prepared
 from megasparse.parallel.launch_env import free_port
 from slurm_cluster import FINISHED, SlurmCluster, missing_programs
@@ -84,6 +86,30 @@ def test_launch_inside_a_smaller_allocation_is_refused(dataset, tmp_path):
     result = megasparse("launch", "local", str(_config(dataset, tmp_path)), "--nproc", "2", launcher="none",
                         env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "1"})
     assert result.returncode == 2 and "--ntasks-per-node=1" in result.error_lines()[0]
+
+
+@pytest.mark.parametrize("launch,starter", [
+    (["local", "--nproc", "2"], "torchrun"),
+    (["deepspeed", "--num-gpus", "2"], "DeepSpeed's launcher"),
+    (["mpi", "-n", "2"], "mpiexec"),
+])
+def test_a_launcher_between_slurm_and_the_ranks_is_refused_inside_a_job(dataset, tmp_path, launch, starter):
+    """Inside a Slurm job a preemption's SIGTERM would reach torchrun, DeepSpeed's launch.py or MPI's daemons,
+    which kill the ranks before they may have saved: refused in one line with the way out, unless asked for."""
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_NODELIST": "localhost"}
+    args = ["launch", launch[0], str(_config(dataset, tmp_path)), *launch[1:], "--dry-run"]
+    refused = megasparse(*args, launcher="none", env=job)
+    assert refused.returncode == 2 and refused.error_lines() == [
+        f"megasparse: error: {starter} inside Slurm job 7 is not preemption-safe: a preemption's SIGTERM reaches "
+        f"{starter}, which kills the ranks before their checkpoint may be written; use "
+        + ("--launcher slurm or `megasparse launch slurm`" if starter.startswith("DeepSpeed") else
+           "`megasparse launch slurm`") + " (srun starts each rank), or pass --allow-unsafe-stop"], refused.stderr
+    assert megasparse(*args, "--allow-unsafe-stop", launcher="none", env=job).returncode == 0
+    if launch[0] == "deepspeed":  # srun starting each rank is safe
+        slurm_ranks = megasparse("launch", "deepspeed", str(_config(dataset, tmp_path)), "--hosts", "localhost:2",
+                                 "--launcher", "slurm", "--dry-run", launcher="none", env=job)
+        assert slurm_ranks.returncode == 0, slurm_ranks.stderr
 
 
 def test_slurm_dry_run_renders_and_writes_nothing(dataset, tmp_path):
@@ -158,10 +184,10 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
-def _submit(slurm: SlurmCluster, config: Path) -> int:
+def _submit(slurm: SlurmCluster, config: Path, *options: str, faults: str = "") -> int:
     result = megasparse("launch", "slurm", str(config), "--nodes", "1", "--procs-per-node", "2",
-                        "--time", "00:20:00", "--signal-seconds", "60", launcher="none",
-                        env={**ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"]}).check()
+                        "--time", "00:20:00", "--signal-seconds", "60", *options, launcher="none",
+                        env={**ONE_THREAD, "SLURM_CONF": slurm.env["SLURM_CONF"], "MEGASPARSE_FAULTS": faults}).check()
     return int(re.search(r"submitted job (\d+)", result.stdout)[1])
 
 
@@ -187,36 +213,109 @@ def test_slurm_names_why_sbatch_refused(slurm, dataset, tmp_path):
     assert "partition" in result.error_lines()[0].lower()
 
 
-def test_slurm_preemption_saves_requeues_and_finishes_exactly(slurm, dataset, tmp_path):
-    """SIGUSR1 to a running job (as --signal=USR1@60 sends before the time limit): checkpoint at the
-    next step, requeue, resume; the final weights equal an uninterrupted job's."""
-    steps = {"steps": 60, "eval_samples": 0}
-    plain = _submit(slurm, _config(dataset, tmp_path, "plain", **steps))
-    preempted = _submit(slurm, _config(dataset, tmp_path, "preempted", **steps))
-    metrics = tmp_path / "preempted" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        assert time.monotonic() < deadline and slurm.job(preempted)["JobState"] in ("PENDING", "RUNNING")
-        time.sleep(0.2)
-    slurm.command("scancel", "--signal=USR1", str(preempted)).check_returncode()
-    info = slurm.wait(preempted, lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
-    # Slurm holds a requeued job for a while; 5 s are enough for slurmd to accept its new credential
-    # (a restart in the same second as the revocation of the old one is refused).
-    slurm.command("scontrol", "update", f"JobId={preempted}", "StartTime=now+5").check_returncode()
-    info = slurm.wait_finished(preempted)
-    batch_log = (tmp_path / "preempted" / "logs" / f"megasparse-{preempted}.out").read_text()
+PREEMPTED_STEPS = {"steps": 60, "eval_samples": 0}
+
+
+class Uninterrupted:
+    """A 60-step job on the partition nothing preempts, submitted once for the module: the run every preempted
+    job must end equal to, bit for bit."""
+
+    def __init__(self, slurm: SlurmCluster, directory: Path, config: Path) -> None:
+        self.slurm, self.directory, self.job = slurm, directory, _submit(slurm, config)
+
+    def path(self) -> Path:
+        assert self.slurm.wait_finished(self.job)["JobState"] == "COMPLETED"
+        return self.directory
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, dataset, tmp_path_factory) -> Uninterrupted:
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    return Uninterrupted(slurm, directory / "plain", _config(dataset, directory, "plain", **PREEMPTED_STEPS))
+
+
+def _assert_finished_exactly(slurm: SlurmCluster, job: int, run: Path, uninterrupted: Uninterrupted) -> str:
+    """The job completed with the uninterrupted job's final weights and losses; returns its batch log."""
+    info = slurm.wait_finished(job)
+    batch_log = "".join(p.read_text() for p in sorted((run / "logs").glob("megasparse-*.out")))
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", batch_log
-    assert "requeueing job" in batch_log and "restart 1" in batch_log
-    stopped = re.search(r"stopped early: (\{.*\})", batch_log)
-    interrupted_at = json.loads(stopped[1])["step"]
-    assert 0 < interrupted_at < 60 and json.loads(stopped[1])["signal"] == "SIGUSR1"
-    assert not (tmp_path / "preempted" / "interrupted.json").exists()
-    assert slurm.wait_finished(plain)["JobState"] == "COMPLETED"
-    final = {name: checkpoint(tmp_path / name, 60) for name in ("plain", "preempted")}
+    assert not (run / "interrupted.json").exists()
+    final = {"plain": checkpoint(uninterrupted.path(), 60), "preempted": checkpoint(run, 60)}
     assert final["plain"].keys() == final["preempted"].keys()
     for name, tensor in final["plain"].items():
         assert tensor.equal(final["preempted"][name]), name
-    assert train_losses(tmp_path / "preempted") == train_losses(tmp_path / "plain")
+    assert train_losses(run) == train_losses(uninterrupted.directory)
+    return batch_log
+
+
+def _start_preempting(slurm: SlurmCluster, runs: dict[Path, int]) -> int:
+    """Once every job's rank 0 is slowed down (from step 20 on), a job on `high` that needs the idle CPUs and all
+    of theirs (2 each)."""
+    deadline = time.monotonic() + 300
+    for run, job in runs.items():
+        log = run / "logs" / f"megasparse-{job}-rank0.log"
+        while not (log.exists() and "fault: slow step 20" in log.read_text()):
+            assert time.monotonic() < deadline and slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), log
+            time.sleep(0.2)
+    idle = int(slurm.command("sinfo", "-h", "-o", "%C").stdout.split("/")[1])  # allocated/idle/other/total
+    high = slurm.command("sbatch", "--parsable", "--partition", "high", "--ntasks", str(idle + 2 * len(runs)),
+                         "--output", "/dev/null", "--wrap", "sleep 5")
+    assert high.returncode == 0, high.stderr
+    return int(high.stdout.strip())
+
+
+def _release(slurm: SlurmCluster, job: int) -> None:
+    """Wait for a job Slurm requeued, then let it start in 5 s (Slurm holds a requeued job for a while; 5 s are
+    enough for slurmd to accept its new credential: a restart in the same second as the revocation of the old one
+    is refused)."""
+    slurm.wait(job, lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
+    slurm.command("scontrol", "update", f"JobId={job}", "StartTime=now+5").check_returncode()
+
+
+def test_preempted_jobs_save_within_grace_time_and_finish_exactly(slurm, uninterrupted, dataset, tmp_path):
+    """Partition-priority preemption as Slurm does it: three jobs on the low partitions, preempted at once by a
+    job on `high`, each with its GraceTime. With PreemptMode=REQUEUE (60 s) only the job's step gets SIGTERM: the
+    ranks save after their step and exit, and the batch script, not signalled, requeues the job. With
+    PreemptMode=CANCEL the same: the script's requeue, inside the grace time, brings the job back. With 5 s and a
+    save of 30 s, Slurm's final kill ends the job mid-save and Slurm requeues it; it resumes from its previous
+    checkpoint. Every job ends with the uninterrupted job's weights and losses, bit for bit."""
+    faults = {"requeue": "slow@20-40", "cancel": "slow@20-40", "brief": "slow@20-40,slow_save@20-39"}
+    partitions = {"requeue": "low", "cancel": "low-cancel", "brief": "low-brief"}
+    jobs = {tmp_path / name: _submit(slurm, _config(dataset, tmp_path, name, **PREEMPTED_STEPS), "--partition",
+                                     partitions[name], faults=faults[name]) for name in faults}
+    _start_preempting(slurm, jobs)
+    for job in jobs.values():
+        _release(slurm, job)
+    for run, job in jobs.items():
+        batch_log = _assert_finished_exactly(slurm, job, run, uninterrupted)
+        assert "(restart 1)" in batch_log, batch_log
+        rank_log = (run / "logs" / f"megasparse-{job}-rank0.log").read_text()
+        if run.name == "brief":  # killed in its save of step 20: that partial save is dropped, step 16 survives
+            assert "stopped early" not in batch_log and "fault: slow save" in rank_log, batch_log
+            assert f"resumed from {run / 'checkpoints' / 'step_00000016'} at step 16" in rank_log
+        else:
+            stopped = json.loads(re.search(r"stopped early: (\{.*\})", batch_log)[1])
+            assert stopped["signal"] == "SIGTERM" and 20 <= stopped["step"] < 60, batch_log
+            assert f"requeueing job {job}" in batch_log
+            assert f"resumed from {run / 'checkpoints' / tag_for(stopped['step'])}" in rank_log
+
+
+def test_preemption_with_send_user_signal_stops_on_the_job_signal(slurm, uninterrupted, dataset, tmp_path):
+    """PreemptParameters=send_user_signal (Slurm 22.05: SlurmctldParameters=preempt_send_user_signal): at
+    preemption Slurm sends the job's --signal (SIGUSR1, what it sends before the time limit too) to its step instead
+    of SIGTERM; the ranks save, the script requeues, the job finishes exactly."""
+    slurm.send_user_signal_at_preemption(True)
+    try:
+        run = tmp_path / "user-signal"
+        jobs = {run: _submit(slurm, _config(dataset, tmp_path, run.name, **PREEMPTED_STEPS), "--partition", "low",
+                             faults="slow@20-40")}
+        _start_preempting(slurm, jobs)
+        _release(slurm, jobs[run])
+        batch_log = _assert_finished_exactly(slurm, jobs[run], run, uninterrupted)
+    finally:
+        slurm.send_user_signal_at_preemption(False)
+    stopped = json.loads(re.search(r"stopped early: (\{.*\})", batch_log)[1])
+    assert stopped["signal"] == "SIGUSR1" and 20 <= stopped["step"] < 60, batch_log
 
 
 def test_slurm_prepares_a_mixture_in_parallel_then_indexes_it(slurm, corpus, tmp_path):

@@ -73,6 +73,10 @@ def _run_parser(kinds, name: str, help_text: str) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
     parser.add_argument("--allow-embedded-corpus", action="store_true",
                         help="on a cluster (Slurm, several nodes), train on the embedded corpus anyway")
+    if name != "slurm":
+        parser.add_argument("--allow-unsafe-stop", action="store_true",
+                            help="inside a Slurm job, start the ranks through this launcher anyway (a preemption "
+                                 "may kill them before their checkpoint is written)")
     return parser
 
 
@@ -92,6 +96,8 @@ def _local(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     cmd.check_allocation(args.nnodes, args.nproc)
+    if not args.allow_unsafe_stop:
+        cmd.check_preemption_safe("torchrun", "use `megasparse launch slurm` (srun starts each rank)")
     cmd.checked_config(args.config, args.overrides, args.nproc * args.nnodes, args.resume, args.nnodes > 1,
                        args.allow_embedded_corpus)
     _start(cmd.torchrun_command(_train(args), args.nproc, args.nnodes, args.node_rank, args.master_addr,
@@ -128,6 +134,9 @@ def _deepspeed(args: argparse.Namespace) -> None:
     if args.node_rank is not None and not 0 <= args.node_rank < len(hosts):
         raise UserError(f"--node-rank {args.node_rank} is outside the {len(hosts)} host(s)")
     cmd.check_allocation(len(hosts), max(slots for _, slots in hosts))
+    if args.launcher != "slurm" and not args.allow_unsafe_stop:
+        cmd.check_preemption_safe("DeepSpeed's launcher", "use --launcher slurm or `megasparse launch slurm` (srun "
+                                  "starts each rank)")
     cfg = cmd.checked_config(args.config, args.overrides, sum(slots for _, slots in hosts), args.resume,
                              len(hosts) > 1, args.allow_embedded_corpus)
     if args.num_gpus is None and hostfile is None:
@@ -149,6 +158,8 @@ def _mpi(args: argparse.Namespace) -> None:
         cmd.check_allocation(len(hosts), max(slots for _, slots in hosts))
     else:
         cmd.check_allocation(1, args.nproc)
+    if not args.allow_unsafe_stop:
+        cmd.check_preemption_safe("mpiexec", "use `megasparse launch slurm` (srun starts each rank)")
     cmd.checked_config(args.config, args.overrides, args.nproc, args.resume, bool(hosts) and len(hosts) > 1,
                        args.allow_embedded_corpus)
     _start(cmd.mpi_command(_train(args), args.nproc, hosts, args.mpiexec), args.dry_run)

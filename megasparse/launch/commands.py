@@ -57,6 +57,19 @@ def check_allocation(nodes: int, procs_per_node: int, environ: Mapping[str, str]
                         f"--ntasks-per-node={env['SLURM_NTASKS_PER_NODE']}")
 
 
+def check_preemption_safe(starter: str, way_out: str, environ: Mapping[str, str] | None = None) -> None:
+    """Inside a Slurm job, refuse a launcher that stands between Slurm and the ranks (``starter``: torchrun,
+    DeepSpeed's per-node launcher, mpiexec's daemons). At a preemption Slurm sends SIGTERM to the job step's
+    tasks, which are then that launcher, not the ranks: it passes the signal on and kills the ranks 30 s later
+    (torchrun, DeepSpeed's launch.py) or at once (MPI's daemons), whether or not their step and checkpoint are
+    done. ``srun`` starting each rank (``launch slurm``, DeepSpeed's ``--launcher slurm``) is preemption-safe."""
+    env = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" in env:
+        raise UserError(f"{starter} inside Slurm job {env['SLURM_JOB_ID']} is not preemption-safe: a preemption's "
+                        f"SIGTERM reaches {starter}, which kills the ranks before their checkpoint may be written; "
+                        f"{way_out}, or pass --allow-unsafe-stop")
+
+
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
     """``"node0:8,node1:8"`` -> [("node0", 8), ("node1", 8)]."""
     hosts = []

@@ -1,9 +1,9 @@
 """Stopping cleanly when the scheduler asks: SIGTERM or SIGUSR1 -> checkpoint at the next step boundary.
 
-Slurm sends SIGUSR1 a chosen time before a job's limit (``--signal=USR1@SECONDS``): that is the clean
-stop under Slurm. (At the limit or on preemption it sends SIGTERM to every process of the job, ``srun``
-included, and ``srun`` then kills the ranks at once; a SIGTERM that reaches only the ranks, as torchrun and
-DeepSpeed's launcher pass it on, stops them cleanly.) The handler only records the signal. In every
+Slurm sends SIGUSR1 a chosen time before a job's limit (``--signal=USR1@SECONDS``), and SIGTERM to the job's
+steps (the ranks under ``srun``) when a preemption with a grace time begins: both are clean stops. (Its final kill,
+at the limit or the end of a grace time, sends SIGTERM to every process of the job, ``srun`` included, and
+``srun`` then kills the ranks at once: docs/cluster.md.) The handler only records the signal. In every
 optimizer step all ranks agree on it within the step decision's one all-reduce (train/guard.py), so every
 rank stops after the same step even when only some of them were signalled (a signal that arrives after the
 step's backward counts from the next step); the trainer then saves a checkpoint (unless it just did), writes
