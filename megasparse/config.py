@@ -329,6 +329,9 @@ class TrainingConfig:
 class CheckpointConfig:
     dir: str = path_key("", "output_directory")  # empty: <training.output_dir>/checkpoints
     interval: int = number(500, ge=0)  # steps between checkpoints; 0: only the final one
+    # periodic saves staged in host memory at the step boundary and written by a thread while training goes on
+    # (checkpoint/staging.py); false: written before the next step starts
+    async_save: bool = True
     save_final: bool = True
     init_from: str = path_key("", "existing_directory")  # a model directory (convert consolidate / import-hf) to start from
     keep_last: int = number(0, ge=0)  # keep the newest K checkpoints (older ones are deleted); 0: keep all

@@ -1,11 +1,14 @@
 """Crash-safe checkpoints: a checkpoint becomes visible only once all of it is on disk.
 
-Every rank calls :func:`write_checkpoint`:
+Every rank calls :func:`start_checkpoint`, then :func:`finish_checkpoint`:
 
 1. DeepSpeed writes every rank's files into ``.step_N.partial/``, a name ``--resume`` never takes.
    Each file goes through :class:`RecordingCheckpointEngine`, which fsyncs it and records its size
    and SHA-256 (on the rank that wrote it, so hashing is spread like the writing), or the error
-   (full disk, unwritable directory) that stopped it.
+   (full disk, unwritable directory) that stopped it. A background save stages the files in host
+   memory instead and a thread writes and records them (:mod:`megasparse.checkpoint.staging`) while
+   training goes on; the ranks learn that every thread is done in a step's decision (train/guard.py), and
+   the rest follows at that step's end.
 2. The records of all ranks are gathered. If any rank failed, the partial directory is removed and
    every rank raises the same one-line error naming the file, the reason and the last complete
    checkpoint, which is untouched.
@@ -26,12 +29,15 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from megasparse import faults
+from megasparse.checkpoint.staging import BackgroundWrite, stage
 from megasparse.errors import UserError
 
 MANIFEST_FILE = "manifest.json"
@@ -60,15 +66,26 @@ class RecordingCheckpointEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def begin(self) -> None:
+    def begin(self, staged: bool = False) -> None:
+        """A new checkpoint; ``staged``: DeepSpeed's files are copied to host memory (:attr:`staged`) for a
+        background write, rather than written now."""
         self.records: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
+        self.staged: list[tuple[Any, Path]] | None = [] if staged else None
+        self._copies: dict[int, Any] = {}
 
     def save(self, state_dict: dict, path: str) -> None:
+        if self.staged is not None:
+            self.staged.append((stage(state_dict, self._copies), Path(path)))
+            return
+        self.write(state_dict, path)
+
+    def write(self, state_dict: dict, path: str | Path) -> None:
+        """Write one file, fsync and record it (or keep the error)."""
         if self.error:
             return
         try:
-            self.inner.save(state_dict, path)
+            self.inner.save(state_dict, str(path))
             self.records[Path(path).name] = file_record(Path(path))
         except (OSError, RuntimeError) as exc:  # torch.save reports some write failures as RuntimeError
             self.error = f"{Path(path).name}: {_write_failure(exc, Path(path).parent)}"
@@ -99,10 +116,28 @@ def remove_partials(directory: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def write_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, Any],
-                     extra_files: dict[str, bytes], last_complete: Path | None) -> Path:
-    """Write, check and publish checkpoint ``tag`` on every rank; ``extra_files`` (name -> contents) are
-    written by rank 0, ``megasparse.json`` among them last. Returns the published directory."""
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose files are being written (:func:`start_checkpoint`), to publish with
+    :func:`finish_checkpoint`."""
+
+    tag: str
+    partial: Path
+    final: Path
+    extra_files: dict[str, bytes]
+    last_complete: Path | None
+    write: BackgroundWrite | None  # None: written already
+    bytes: int = 0  # every rank's files, once published
+
+    def writing(self) -> bool:
+        """Whether this rank's files are still being written."""
+        return self.write is not None and self.write.running()
+
+
+def start_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, Any], extra_files: dict[str, bytes],
+                     last_complete: Path | None, background: bool) -> PendingCheckpoint:
+    """Every rank: DeepSpeed's files of checkpoint ``tag`` into its partial directory, written now or, with
+    ``background``, staged in host memory and written by a thread (:mod:`megasparse.checkpoint.staging`)."""
     partial, final = partial_dir(directory, tag), directory / tag
     error = None
     if dist.get_rank() == 0:
@@ -114,8 +149,22 @@ def write_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, 
             error = f"cannot write checkpoints to {directory}: {exc.strerror or exc}"
     _raise_if_any([error])
     recorder: RecordingCheckpointEngine = engine.checkpoint_engine
-    recorder.begin()
+    recorder.begin(staged=background)
     engine.save_checkpoint(str(directory), tag=partial.name, client_state=client_state, save_latest=False)
+    write = None
+    if background:
+        get_accelerator().synchronize()  # every staged copy complete before the thread reads it
+        write = BackgroundWrite(recorder.staged, recorder.write)
+    return PendingCheckpoint(tag, partial, final, extra_files, last_complete, write)
+
+
+def finish_checkpoint(engine, pending: PendingCheckpoint) -> Path:
+    """Every rank: wait for this rank's files, check every rank's, and publish the checkpoint (rank 0 writes
+    ``extra_files``, ``megasparse.json`` among them last). Returns the published directory."""
+    if pending.write is not None:
+        pending.write.wait()
+    recorder: RecordingCheckpointEngine = engine.checkpoint_engine
+    tag, partial, last_complete = pending.tag, pending.partial, pending.last_complete
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (recorder.records, recorder.error))
     errors = [f"could not write checkpoint {tag} (rank {rank}, {err}); the last complete checkpoint, "
@@ -123,18 +172,19 @@ def write_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, 
     if errors and dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _raise_if_any(errors)
+    records = {name: record for records, _ in gathered for name, record in records.items()}
     if dist.get_rank() == 0:
         error = None
         try:
-            _publish(partial, final, {name: record for records, _ in gathered for name, record in records.items()},
-                     extra_files)
+            _publish(partial, pending.final, records, pending.extra_files)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
             error = (f"could not write checkpoint {tag} ({exc.strerror or exc}); the last complete checkpoint, "
                      f"{last_complete or 'none'}, is intact")
         errors = [error]
     _raise_if_any(errors if dist.get_rank() == 0 else [None])
-    return final
+    pending.bytes = sum(record["bytes"] for record in records.values())
+    return pending.final
 
 
 def _raise_if_any(errors: list[str | None]) -> None:

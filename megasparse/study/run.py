@@ -109,12 +109,19 @@ def _placed(cfg: Config, directory: Path, data_path: str) -> Config:
     return config_from_dict(raw)
 
 
+# How a run is operated, not what it trains: left out of its hash, so that records stay valid across versions that
+# add such keys (and a study may change them between sessions)
+OPERATIONAL_KEYS = ("training.output_dir", "checkpoint.dir", "data.path", "training.max_restarts_without_progress",
+                    "checkpoint.async_save")
+
+
 def config_hash(cfg: Config) -> str:
-    """The hash of what a run trains: its resolved config without where it writes and reads."""
+    """The hash of what a run trains: its resolved config without where it writes and reads and without the
+    keys of how it is operated (:data:`OPERATIONAL_KEYS`)."""
     raw = cfg.to_dict()
-    raw["training"].pop("output_dir")
-    raw["checkpoint"].pop("dir")
-    raw["data"].pop("path")
+    for key in OPERATIONAL_KEYS:
+        section, name = key.split(".")
+        raw[section].pop(name, None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
 
 

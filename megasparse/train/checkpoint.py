@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megasparse.checkpoint.compat import check_compatible, same_layout
-from megasparse.checkpoint.durable import prune, write_checkpoint
+from megasparse.checkpoint.durable import PendingCheckpoint, finish_checkpoint, prune, start_checkpoint
 from megasparse.checkpoint.files import META_FILE, CheckpointMeta, complete_checkpoints, open_checkpoint, tag_for
 from megasparse.checkpoint.state import apply_training_state, read_training_state
 from megasparse.config import Config
@@ -76,16 +76,23 @@ def check_resume(cfg: Config, resume: str | None, vocab_size: int | None, tokeni
     check_compatible(meta, cfg, vocab_size, tokenizer_sha256, tag_dir)
 
 
-def save_checkpoint(engine, cfg: Config, meta: CheckpointMeta, client_state: dict[str, Any], tokenizer: Path) -> Path:
-    """Write, check and publish a checkpoint on every rank (with a copy of ``tokenizer``), then prune
-    old ones (:mod:`megasparse.checkpoint.durable`); returns its tag directory."""
+def start_save(engine, cfg: Config, meta: CheckpointMeta, client_state: dict[str, Any], tokenizer: Path,
+               background: bool) -> PendingCheckpoint:
+    """Every rank: start checkpoint ``meta.step`` (with a copy of ``tokenizer``), its files written now or, with
+    ``background``, by a thread (:mod:`megasparse.checkpoint.durable`); publish it with :func:`finish_save`."""
     directory = cfg.checkpoint_dir
     complete = complete_checkpoints(directory)
     extra = {tokenizer.name: tokenizer.read_bytes(), META_FILE: (json.dumps(meta.__dict__, indent=2) + "\n").encode()}
-    tag_dir = write_checkpoint(engine, directory, tag_for(meta.step), {"megasparse": client_state}, extra,
-                               complete[-1] if complete else None)
+    return start_checkpoint(engine, directory, tag_for(meta.step), {"megasparse": client_state}, extra,
+                            complete[-1] if complete else None, background)
+
+
+def finish_save(engine, cfg: Config, pending: PendingCheckpoint) -> Path:
+    """Every rank: publish a started checkpoint once every rank's files are written, then prune old ones; returns
+    its tag directory."""
+    tag_dir = finish_checkpoint(engine, pending)
     if dist.get_rank() == 0:
-        prune(complete_checkpoints(directory), tag_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every,
+        prune(complete_checkpoints(cfg.checkpoint_dir), tag_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every,
               set(cfg.checkpoint.at_steps))
     dist.barrier()
     return tag_dir

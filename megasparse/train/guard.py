@@ -2,8 +2,9 @@
 all ranks in one all-reduce per step.
 
 After the last micro-batch's backward and before DeepSpeed steps the optimizer, each rank contributes
-two flags, [a gradient on this rank was not finite, this rank received a stop signal], and one
-all-reduce (max) over all ranks gives both answers to every rank. Reading it back is the step's one
+three flags, [a gradient on this rank was not finite, this rank received a stop signal, this rank is still
+writing a checkpoint in the background], and one all-reduce (max) over all ranks gives the answers to every
+rank (the last: whether a background checkpoint can be published at this step's end). Reading it back is the step's one
 host synchronisation (Megatron reads its ``found_inf`` at the same point).
 
 **Non-finite gradients.** Every parameter's gradient, as backward hands it to the parameter on this rank
@@ -43,7 +44,8 @@ class StepDecision:
         self.skip = False  # the current step's decision
         self._engine_optimizer = optimizer
         self._gradient_sum = torch.zeros((), device=device)
-        self._flags = torch.zeros(2, device=device)
+        self._flags = torch.zeros(3, device=device)
+        self.all_written = True  # the current step's decision: no rank is still writing a checkpoint
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(self._add_gradient)
@@ -64,15 +66,18 @@ class StepDecision:
         self._gradient_sum.add_(grad.sum(dtype=torch.float32))
 
     @torch.no_grad()
-    def decide(self, stop_requested: bool) -> bool:
-        """Agree with every rank whether this step is applied (all gradients finite everywhere) and whether
-        any rank was asked to stop; returns the latter. Call on every rank after the step's last backward."""
+    def decide(self, stop_requested: bool, writing: bool = False) -> bool:
+        """Agree with every rank whether this step is applied (all gradients finite everywhere), whether any
+        rank was asked to stop (returned) and whether any is still ``writing`` a checkpoint (:attr:`all_written`).
+        Call on every rank after the step's last backward."""
         self._flags[0].copy_(self._gradient_sum.isfinite().logical_not())
         self._flags[1].fill_(1.0 if stop_requested else 0.0)
+        self._flags[2].fill_(1.0 if writing else 0.0)
         if dist.is_initialized():
             dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
-        nonfinite, stop = self._flags.tolist()
+        nonfinite, stop, still_writing = self._flags.tolist()
         self._gradient_sum.zero_()
+        self.all_written = still_writing == 0
         self.skip = nonfinite > 0
         self.skipped += self.skip
         self._engine_optimizer.overflow = self.skip

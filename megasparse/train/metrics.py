@@ -2,7 +2,7 @@
 progress (a bar on a terminal, plain lines in a log: :mod:`megasparse.progress`), on rank 0 only.
 
 ``<output_dir>/metrics.jsonl`` holds one object per line,
-``{"event": "train" | "eval" | "topology" | "skipped" | "sample", "step": s, ...}`` (every field: docs/metrics.md).
+``{"event": "train" | "eval" | "topology" | "skipped" | "checkpoint" | "sample", "step": s, ...}`` (every field: docs/metrics.md).
 On resume, lines past the resumed step (written by the interrupted run after its last
 checkpoint) are dropped first, so the file always reads as one uninterrupted run.
 

@@ -23,8 +23,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from megasparse.checkpoint.compat import check_compatible, same_layout
 from megasparse.checkpoint.legacy import CODED_MASKS, PADDED
-from megasparse.checkpoint.durable import (RecordingCheckpointEngine, keep_recovery_script_errors, remove_partials,
-                                           verify_on_all_ranks)
+from megasparse.checkpoint.durable import (PendingCheckpoint, RecordingCheckpointEngine, keep_recovery_script_errors,
+                                           remove_partials, verify_on_all_ranks)
 from megasparse.checkpoint.files import CheckpointMeta, complete_checkpoints, tag_for
 from megasparse.checkpoint.weights import init_from_directory
 from megasparse.config import Config, config_from_dict
@@ -52,8 +52,8 @@ from megasparse.parallel.mappings import TensorParallel
 from megasparse.parallel.watchdog import Heartbeat, stall_timeout
 from megasparse.sparse.topology import TopologyUpdater
 from megasparse.train.data import ONE_SOURCE, check_data_to_prepare, load_or_prepare, usable_windows
-from megasparse.train.checkpoint import (check_resume, load_checkpoint, resolve_resume, rng_state, save_checkpoint,
-                                         set_rng_state)
+from megasparse.train.checkpoint import (check_resume, finish_save, load_checkpoint, resolve_resume, rng_state,
+                                         set_rng_state, start_save)
 from megasparse.train.deepspeed_config import deepspeed_config
 from megasparse.train.determinism import make_deterministic
 from megasparse.train.guard import StepDecision
@@ -203,6 +203,8 @@ class Trainer:
         self.engine.checkpoint_engine = RecordingCheckpointEngine(self.engine.checkpoint_engine)
         keep_recovery_script_errors(self.engine, self.engine.checkpoint_engine)
         self.skipped_steps = self.consecutive_skips = 0
+        self.saving: PendingCheckpoint | None = None  # the checkpoint in flight (its files written in the background)
+        self.save_held_s = 0.0
         self.memory_logged = False
 
         def fragments(param: torch.nn.Parameter):
@@ -370,18 +372,23 @@ class Trainer:
                 self._evaluate()
             if self._due(cfg.logging.sample_interval, at_end=False):
                 self._sample()
+            if self.saving is not None and self.decision.all_written:
+                self._finish_save()
             if self._due(cfg.checkpoint.interval, cfg.checkpoint.save_final) or self.step in cfg.checkpoint.at_steps:
                 self._save()
             window_start += time.perf_counter() - paused
             if self.step < t.steps and stop_agreed:
                 self._stop_early(stop)
                 break
+        self._finish_save()
         self.metrics.close()
 
     def _stop_early(self, stop: StopRequests) -> None:
-        """Save (unless this step just did) and leave the marker a job script requeues on."""
+        """Save (unless this step just did), wait until it is written, and leave the marker a job script
+        requeues on."""
         if self.saved_step != self.step:
             self._save()
+        self._finish_save()
         tag_dir = self.cfg.checkpoint_dir / tag_for(self.step)
         name = stop.received.name if stop.received else "another rank's stop signal"
         if is_main_process():
@@ -410,6 +417,7 @@ class Trainer:
         _log(f"warning: step {self.step} skipped: non-finite loss or gradient on some rank")
         limit = self.cfg.training.max_skipped_steps
         if limit and self.consecutive_skips >= limit:
+            self._finish_save()  # a checkpoint in flight is whole: published before the run stops
             complete = complete_checkpoints(self.cfg.checkpoint_dir)
             raise UserError(f"stopped at step {self.step}: {self.consecutive_skips} consecutive steps had a non-finite "
                             f"loss or gradient (training.max_skipped_steps={limit}); the last good checkpoint is "
@@ -427,7 +435,8 @@ class Trainer:
             loss = poison_loss(self.engine(*inputs_and_targets(tokens)), self.step + 1)
             self.engine.backward(loss)
             if i == len(micro_batches) - 1:  # the boundary: gradients are reduced, the optimizer steps next
-                stop_agreed = self.decision.decide(stop.received is not None)
+                stop_agreed = self.decision.decide(stop.received is not None,
+                                                   writing=self.saving is not None and self.saving.writing())
                 if measure_norm:
                     grad_norm = gradient_norm(self.engine.module.parameters(), self.parallel)
             self.engine.step()
@@ -521,7 +530,11 @@ class Trainer:
                 **{f"projections_{kind}_bytes": value for kind, value in projections.items()}}
 
     def _save(self) -> None:
+        """Start a checkpoint of this step, after publishing the one in flight (at most one is); with
+        ``checkpoint.async_save`` its files are written in the background (:func:`_finish_save` publishes it)."""
+        self._finish_save()
         t = self.cfg.training
+        started = time.perf_counter()
         self.saved_step = self.step
         meta = CheckpointMeta(
             step=self.step, consumed_samples=self.loader.consumed_samples,
@@ -531,9 +544,24 @@ class Trainer:
             tensor_parallel_size=self.parallel.tensor_parallel_size, sparse_storage=CODED_MASKS, mlp_storage=PADDED,
             mixture=self._mixture_record(),
         )
-        save_checkpoint(self.engine, self.cfg, meta,
-                        {"loader": self.loader.state_dict(), "rng": rng_state(), "skipped_steps": self.skipped_steps},
-                        self.data.tokenizer_path)
+        self.saving = start_save(self.engine, self.cfg, meta, {"loader": self.loader.state_dict(), "rng": rng_state(),
+                                                              "skipped_steps": self.skipped_steps},
+                                 self.data.tokenizer_path, background=self.cfg.checkpoint.async_save)
+        self.save_held_s = time.perf_counter() - started
+        if self.saving.write is None:
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        """Publish the checkpoint in flight, if any (waiting for its files), and log what it took: the time the
+        training loop was held (staging, waiting, publishing) and the time its files took to write."""
+        if self.saving is None:
+            return
+        started = time.perf_counter()
+        saving, self.saving = self.saving, None
+        finish_save(self.engine, self.cfg, saving)
+        held = self.save_held_s + time.perf_counter() - started
+        self.metrics.log("checkpoint", int(saving.tag.removeprefix("step_")), held_s=held, bytes=saving.bytes,
+                         write_s=saving.write.seconds if saving.write is not None else held)
 
 
 def _log(message: str) -> None:
