@@ -29,7 +29,7 @@ def test_offline_run_holds_every_scalar_and_resumes_the_same_run(dataset, tmp_pa
     data = first.read_bytes()
     assert b"wandb-run" in data and b"llama-tiny" in data  # the name and the config
     records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
-    assert {r["event"] for r in records} == {"train", "eval", "memory"}
+    assert {r["event"] for r in records} == {"train", "eval", "memory", "checkpoint"}
     for record in records:
         for key, value in record.items():
             if key not in ("event", "step"):

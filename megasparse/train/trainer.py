@@ -560,8 +560,8 @@ class Trainer:
         saving, self.saving = self.saving, None
         finish_save(self.engine, self.cfg, saving)
         held = self.save_held_s + time.perf_counter() - started
-        self.metrics.log("checkpoint", int(saving.tag.removeprefix("step_")), held_s=held, bytes=saving.bytes,
-                         write_s=saving.write.seconds if saving.write is not None else held)
+        self.metrics.log("checkpoint", self.step, saved_step=int(saving.tag.removeprefix("step_")), held_s=held,
+                         bytes=saving.bytes, write_s=saving.write.seconds if saving.write is not None else held)
 
 
 def _log(message: str) -> None:
