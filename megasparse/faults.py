@@ -17,6 +17,8 @@ a test the time to signal it, happen on a Slurm job's first start only (a requeu
   as a non-deterministic sort could make it do (the ranks must notice that they disagree);
 - ``kill_during_save@K:R``: rank R kills itself (SIGKILL) after writing its first file of the
   step-K checkpoint, before the checkpoint is complete;
+- ``fail_save@K:R``: each of rank R's files of the step-K checkpoint fails to write, as on a full disk
+  (ENOSPC);
 - ``slow_save@K-L:R``: rank R sleeps 30 s after writing its first file of a checkpoint of a step K to L (a
   save longer than a preemption's grace time);
 - ``kill_before_publish@K``: rank 0 kills itself after every file of the step-K checkpoint is
@@ -24,6 +26,7 @@ a test the time to signal it, happen on a Slurm job's first start only (a requeu
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -94,6 +97,11 @@ def skew_mask(packed: torch.Tensor, step: int) -> None:
         if mixed.numel():
             byte = packed[mixed[0, 0]]
             byte.copy_(((byte.int() << 1) | (byte.int() >> 7)) & 255)  # rotate: as many positions, moved
+
+
+def before_checkpoint_file(path: str | Path) -> None:
+    if _due("fail_save", _step_of(path)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def after_checkpoint_file(path: str | Path) -> None:

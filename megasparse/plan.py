@@ -36,6 +36,12 @@ run (the tests hold the two within 5%). Within a step come:
   last);
   or SMET's step pieces (16 bytes per slot of a sixth of the largest partition).
 
+While a checkpoint is written in the background (``checkpoint.async_save``) a rank holds in host memory a copy
+of what it writes (:mod:`megasparse.checkpoint.staging`): its persistent bytes on data-parallel rank 0, which
+writes the module's weights and masks and its optimizer partition; at ZeRO-1/2 the others write their partition
+only, its masters, moments and cohorts; at ZeRO-3 every rank writes its partition of all but the weights (the fp32
+masters hold their values), masks included; at ZeRO-0 the others write nothing.
+
 Not counted: DeepSpeed's communication buckets (``reduce_bucket_size``, ``allgather_bucket_size``,
 ``stage3_prefetch_bucket_size``: each that many elements when set), the CUDA context and allocator
 fragmentation (on GPUs typically 1-3 GB per process).
@@ -70,6 +76,7 @@ class Plan:
 
     model: dict[str, float]
     projections: dict[str, float]
+    staging: tuple[float, float] = (0.0, 0.0)  # host bytes of a background save: data-parallel rank 0, the others
 
     @property
     def persistent(self) -> float:
@@ -132,7 +139,16 @@ def plan(cfg: Config, gpus: int, vocab_size: int | None = None) -> Plan:
                 totals[part][kind] += value
     totals["model"]["activations"] = _activation_bytes(cfg, vocab_size, b, t)
     totals["model"]["transient"] = _largest_transient(model, cfg, b, d)
-    return Plan(totals["model"], totals["projections"])
+    return Plan(totals["model"], totals["projections"], _staging(totals["model"], stage))
+
+
+def _staging(held: dict[str, float], stage: int) -> tuple[float, float]:
+    """The host bytes a background save stages on data-parallel rank 0 and on the other ranks: what each
+    writes (the module docstring)."""
+    persistent = sum(held[kind] for kind in KINDS)
+    if stage == 3:
+        return persistent - held["weights"], persistent - held["weights"]
+    return persistent, 0.0 if stage == 0 else persistent - held["weights"] - held["masks"]
 
 
 def _moment_bytes(cfg: Config, p: torch.nn.Parameter) -> int:
@@ -223,6 +239,10 @@ def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     for kind in STEP_KINDS:
         lines.append(row(kind, ours.model[kind], dense.model[kind]))
     lines.append(row("total", ours.total, dense.total))
+    if cfg.checkpoint.async_save:
+        first, others = ours.staging
+        lines.append(f"host memory while a checkpoint is written in the background (checkpoint.async_save): "
+                     f"{first / GB:.3f} GB on data-parallel rank 0, {others / GB:.3f} GB on each other rank")
     if cfg.model.layer == "sparse" and cfg.parallel.zero_stage in (1, 2) and gpus // t > 1:
         lines.append(_masks_at_zero3(cfg, gpus, vocab_size, ours, dense))
     if gpu_memory_gb:

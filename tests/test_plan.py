@@ -26,6 +26,21 @@ def test_the_plan_agrees_with_the_bytes_a_run_holds(runs, method, zero, nproc, p
     for kind in KINDS:
         measured = held[f"{kind}_bytes"]
         assert abs(planned[kind] - measured) <= 0.05 * measured, (kind, planned[kind], measured)
+    # a background save stages what each rank writes: its files' bytes
+    staged = plan(load_config(str(run / "run.yaml")), nproc).staging
+    written = files_written(run / "checkpoints" / "step_00000008", zero)
+    for planned_bytes, rank in zip(staged, (0, 1)):
+        assert abs(planned_bytes - written[rank]) <= 0.05 * written[rank] + 2e4, (rank, planned_bytes, written)
+
+
+def files_written(checkpoint, zero: int) -> dict[int, int]:
+    """The bytes of the model and optimizer files that (tensor-parallel rank 0's) data-parallel ranks 0 and 1 wrote:
+    ``mp_rank_00_model_states.pt`` is data-parallel rank 0's (ZeRO-0/1/2), ``[bf16_]zero_pp_rank_R_mp_rank_00_*`` rank R's."""
+    def size(pattern: str) -> int:
+        return sum(f.stat().st_size for f in checkpoint.glob(pattern))
+    mine = {rank: size(f"*zero_pp_rank_{rank}_mp_rank_00_*.pt") for rank in (0, 1)}
+    mine[0] += 0 if zero == 3 else size("mp_rank_00_model_states.pt")
+    return mine
 
 
 def test_the_dense_counterpart_differs_only_in_the_method():

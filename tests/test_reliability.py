@@ -89,10 +89,13 @@ def test_killed_rank_then_resume_is_exact(runs, dataset, tmp_path, method, seed)
     assert_exact(out, reference(runs, method), LAYOUT[method][1])
 
 
-@pytest.mark.parametrize("fault", ["kill_during_save@4:1", "kill_before_publish@4"])
-def test_crash_while_writing_a_checkpoint(runs, dataset, tmp_path, fault):
+@pytest.mark.parametrize("fault,background", [("kill_during_save@4:1", True), ("kill_during_save@4:1", False),
+                                              ("kill_before_publish@4", True)])
+def test_crash_while_writing_a_checkpoint(runs, dataset, tmp_path, fault, background):
+    """A rank killed while its files are written (by the background thread while training goes on, or before the
+    next step) or rank 0 killed before the rename: the previous checkpoint stays the last, and resuming is exact."""
     out = tmp_path / "out"
-    config = fault_config(dataset, out, "smet")
+    config = fault_config(dataset, out, "smet", checkpoint={"async_save": background})
     assert train(config, faults=fault).returncode != 0
     checkpoints = out / "checkpoints"
     assert (checkpoints / ".step_00000004.partial").is_dir()  # what the crash left
@@ -102,6 +105,26 @@ def test_crash_while_writing_a_checkpoint(runs, dataset, tmp_path, fault):
     assert "resumed from" in resumed.stdout and "step_00000002 at step 2" in resumed.stdout
     assert not (checkpoints / ".step_00000004.partial").exists()
     assert_exact(out, reference(runs, "smet"), 1)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_failed_write_stops_the_run_naming_the_file_and_latest_never_moves(dataset, tmp_path, background):
+    """Rank 1's files of the step-4 checkpoint fail to write (a full disk): in the background, training goes on
+    until the step that publishes it, then every rank stops with one line naming the rank and the file; the
+    failed checkpoint is removed and ``latest`` still names step 2."""
+    out = tmp_path / "out"
+    config = fault_config(dataset, out, "smet", checkpoint={"async_save": background})
+    result = train(config, faults="fail_save@4:1")
+    assert result.returncode == 2, result.stderr[-2000:]
+    checkpoints = out / "checkpoints"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("megasparse: error:")]
+    assert set(lines) == {f"megasparse: error: could not write checkpoint step_00000004 (rank 1, "
+                          f"zero_pp_rank_1_mp_rank_00_optim_states.pt: No space left on device); the last complete "
+                          f"checkpoint, {checkpoints / 'step_00000002'}, is intact"}, result.stderr[-2000:]
+    assert (checkpoints / "latest").read_text() == "step_00000002"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith((".", "step"))) == ["step_00000002"]
+    last_step = read_metrics(out)[-1]["step"]  # in the background, steps ran while the files were written
+    assert last_step > 4 if background else last_step == 4
 
 
 def truncate(path: Path) -> None:

@@ -85,6 +85,7 @@ class RecordingCheckpointEngine:
         if self.error:
             return
         try:
+            faults.before_checkpoint_file(path)
             self.inner.save(state_dict, str(path))
             self.records[Path(path).name] = file_record(Path(path))
         except (OSError, RuntimeError) as exc:  # torch.save reports some write failures as RuntimeError

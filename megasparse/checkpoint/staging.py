@@ -9,8 +9,8 @@ publishes the checkpoint once every rank's thread is done).
 Host memory held while a save is in flight: a copy of what this rank writes, the bytes of its checkpoint
 files. Under ZeRO-1/2 with T tensor-parallel and D data-parallel ranks and N parameters, data-parallel rank 0
 of each tensor-parallel rank writes the module's weights, N·w/T bytes (w: 4 in fp32, 2 in bf16), and every
-rank its optimizer partition, N·o/(T·D) bytes (o: 8 for Adam's moments in fp32, 12 with bf16's fp32 master
-copy); ZeRO-3 writes the weights' partitions too, N·w/(T·D).
+rank its optimizer partition, N·o/(T·D) bytes (o: 12 for AdamW, the fp32 master and two fp32 moments); under
+ZeRO-3 only the partitions, N·o/(T·D) (:func:`megasparse.plan.plan`'s ``staging`` counts it per method).
 """
 from __future__ import annotations
 
