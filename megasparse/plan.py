@@ -36,8 +36,8 @@ run (the tests hold the two within 5%). Within a step come:
   last);
   or SMET's step pieces (16 bytes per slot of a sixth of the largest partition).
 
-While a checkpoint is written in the background (``checkpoint.async_save``) a rank holds in host memory a copy
-of what it writes (:mod:`megasparse.checkpoint.staging`): its persistent bytes on data-parallel rank 0, which
+With checkpoints written in the background (``checkpoint.async_save``) a rank holds in host memory, from the
+first save on, a copy of what it writes (:mod:`megasparse.checkpoint.staging`): its persistent bytes on data-parallel rank 0, which
 writes the module's weights and masks and its optimizer partition; at ZeRO-1/2 the others write their partition
 only, its masters, moments and cohorts; at ZeRO-3 every rank writes its partition of all but the weights (the fp32
 masters hold their values), masks included; at ZeRO-0 the others write nothing.
@@ -241,7 +241,7 @@ def report(cfg: Config, gpus: int, gpu_memory_gb: float | None) -> str:
     lines.append(row("total", ours.total, dense.total))
     if cfg.checkpoint.async_save:
         first, others = ours.staging
-        lines.append(f"host memory while a checkpoint is written in the background (checkpoint.async_save): "
+        lines.append(f"host memory for checkpoints written in the background (checkpoint.async_save), from the first on: "
                      f"{first / GB:.3f} GB on data-parallel rank 0, {others / GB:.3f} GB on each other rank")
     if cfg.model.layer == "sparse" and cfg.parallel.zero_stage in (1, 2) and gpus // t > 1:
         lines.append(_masks_at_zero3(cfg, gpus, vocab_size, ours, dense))

@@ -20,6 +20,7 @@ import torch
 from helpers import checkpoint, megasparse, start_ranks, tiny_config, train_losses, write_config
 
 from megasparse.checkpoint.durable import verify_checkpoint
+from megasparse.checkpoint.staging import HostStaging
 from megasparse.checkpoint.files import open_checkpoint, tag_for
 from megasparse.checkpoint.state import read_training_state
 from megasparse.train.metrics import read_metrics
@@ -125,6 +126,26 @@ def test_a_failed_write_stops_the_run_naming_the_file_and_latest_never_moves(dat
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith((".", "step"))) == ["step_00000002"]
     last_step = read_metrics(out)[-1]["step"]  # in the background, steps ran while the files were written
     assert last_step > 4 if background else last_step == 4
+
+
+def test_background_saves_stage_copies_that_training_cannot_change_and_reuse_their_buffers():
+    staging = HostStaging()
+    weight, moment = torch.nn.Parameter(torch.arange(6.0)), torch.ones(4)
+    staging.begin()
+    first = staging.stage({"module": {"w": weight, "w_tail": weight[3:]}, "optimizer": [moment, (moment, 7)]})
+    staging.end()
+    with torch.no_grad():
+        weight.add_(100.0)  # the next optimizer step changes the live state in place
+    moment.mul_(5.0)
+    assert torch.equal(first["module"]["w"], torch.arange(6.0)) and isinstance(first["module"]["w"], torch.nn.Parameter)
+    assert first["module"]["w_tail"].untyped_storage().data_ptr() == first["module"]["w"].untyped_storage().data_ptr()
+    assert torch.equal(first["optimizer"][1][0], torch.ones(4)) and first["optimizer"][1][1] == 7
+    staging.begin()  # the next save, once the first is written: the same buffers, the new values
+    second = staging.stage({"module": {"w": weight}, "optimizer": [moment, torch.zeros(3)]})
+    staging.end()
+    assert second["module"]["w"].untyped_storage().data_ptr() == first["module"]["w"].untyped_storage().data_ptr()
+    assert second["optimizer"][0].untyped_storage().data_ptr() == first["optimizer"][0].untyped_storage().data_ptr()
+    assert torch.equal(second["module"]["w"], torch.arange(6.0) + 100) and torch.equal(second["optimizer"][0], 5 * torch.ones(4))
 
 
 def truncate(path: Path) -> None:

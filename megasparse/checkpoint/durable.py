@@ -37,7 +37,7 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
 from megasparse import faults
-from megasparse.checkpoint.staging import BackgroundWrite, stage
+from megasparse.checkpoint.staging import BackgroundWrite, HostStaging
 from megasparse.errors import UserError
 
 MANIFEST_FILE = "manifest.json"
@@ -61,6 +61,7 @@ class RecordingCheckpointEngine:
 
     def __init__(self, inner) -> None:
         self.inner = inner
+        self.staging = HostStaging()
         self.begin()
 
     def __getattr__(self, name: str) -> Any:
@@ -72,11 +73,12 @@ class RecordingCheckpointEngine:
         self.records: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.staged: list[tuple[Any, Path]] | None = [] if staged else None
-        self._copies: dict[int, Any] = {}
+        if staged:
+            self.staging.begin()
 
     def save(self, state_dict: dict, path: str) -> None:
         if self.staged is not None:
-            self.staged.append((stage(state_dict, self._copies), Path(path)))
+            self.staged.append((self.staging.stage(state_dict), Path(path)))
             return
         self.write(state_dict, path)
 
@@ -154,6 +156,7 @@ def start_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, 
     engine.save_checkpoint(str(directory), tag=partial.name, client_state=client_state, save_latest=False)
     write = None
     if background:
+        recorder.staging.end()
         get_accelerator().synchronize()  # every staged copy complete before the thread reads it
         write = BackgroundWrite(recorder.staged, recorder.write)
     return PendingCheckpoint(tag, partial, final, extra_files, last_complete, write)
