@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import activation_memory  # noqa: E402
 import checkpoint_stall  # noqa: E402
+import cluster_plan  # noqa: E402
 import compile_speed  # noqa: E402
 import host_syncs  # noqa: E402
 import hybrid_experiment  # noqa: E402
@@ -98,6 +99,7 @@ BENCHMARKS = {
     "mixture_shares": "a data mixture's realised shares against its weights after 10^3, 10^5 and 10^6 samples",
     "hybrid_forward": "W = A B + S: composing W once per pass against adding the two branches' products",
     "hybrid_experiment": "W = A B + S against dense, low-rank and sparse at one parameter budget on WikiText-2",
+    "cluster_plan": "`megasparse plan`'s bytes per GPU for the shipped 7B configs on 64, 256 and 512 GPUs of 80 GB",
     "checkpoint_stall": "how long a periodic checkpoint holds training, in the foreground and in the background, and "
                         "how long a stop signal takes to end a run",
 }
@@ -108,6 +110,7 @@ MEASURED_AT = {
     "activation_memory.json": ("3ce9594 (2026-12-01)", None),
     "checkpoint_stall.json": ("bc27500 (2026-12-05)", None),
     "checkpoint_stall_unpooled.json": ("bc27500 (2026-12-05)", "11ad390"),
+    "cluster_plan.json": ("dcb74ac (2026-12-05)", "dcb74ac with the 7B presets and configs"),
     "compile_speed.json": ("3ce9594 (2026-12-01)", None),
     "host_syncs.json": ("4209bd4 (2026-12-01)", None),
     "host_syncs_before.json": ("4209bd4 (2026-12-01)", "e65ec62"),
@@ -212,6 +215,7 @@ TABLES: dict[str, Callable[[], str]] = {
     **{f"{stem}.provenance": functools.partial(provenance, stem) for stem in BENCHMARKS},
     "throughput": lambda: throughput.table(result("throughput")["runs"]),
     "checkpoint_stall": lambda: checkpoint_stall.table(result("checkpoint_stall")["runs"]),
+    "cluster_plan": lambda: cluster_plan.table(result("cluster_plan")["runs"]),
     "checkpoint_stall_unpooled": lambda: checkpoint_stall.table(result("checkpoint_stall_unpooled")["runs"]),
     "checkpoint_stall.stop": lambda: checkpoint_stall.stop_table(result("checkpoint_stall")["runs"]),
     "smet_memory": lambda: smet_memory.table(result("smet_memory")["runs"]),

@@ -3,9 +3,14 @@ tensors), and the command's output and refusals."""
 from __future__ import annotations
 
 import pytest
-from helpers import megasparse_here, one_error_line
+import torch
+from helpers import megasparse, megasparse_here, one_error_line
 
+from megasparse.checkpoint.files import reference_model
 from megasparse.config import load_config
+from megasparse.model.factory import layer_factory
+from megasparse.model.llama import Llama
+from megasparse.parallel.mappings import TensorParallel
 from megasparse.plan import dense_counterpart, plan, report
 from megasparse.sparse.mask import mask_bytes
 from megasparse.train.memory import KINDS
@@ -149,3 +154,33 @@ def test_the_report_says_what_zero3_would_make_of_the_whole_masks():
     assert float(line.split("tends to ")[1].split(" ")[0]) == pytest.approx(0.1 + 0.0703, abs=1e-3)
     cfg.parallel.zero_stage = 3
     assert not report(cfg, 64, None).splitlines()[-1].startswith("masks:")
+
+
+@pytest.mark.parametrize("preset,vocab,parameters", [("llama-7b", 32000, 6_738_415_616),
+                                                     ("llama3-8b", 128256, 8_030_261_248)])
+def test_the_7b_and_8b_presets_have_their_published_parameter_counts(preset, vocab, parameters):
+    """LLaMA 2 7B and Llama 3 8B (grouped-query attention, RoPE base 500,000) built on the meta device."""
+    cfg = load_config("llama-7b", [f"model.preset={preset}"])
+    assert sum(p.numel() for p in reference_model(cfg, vocab).parameters()) == parameters
+    assert (cfg.model.kv_heads, cfg.model.rope_theta) == ((8, 500000.0) if preset == "llama3-8b" else (32, 10000.0))
+
+
+@pytest.mark.parametrize("name", ["llama-7b", "smet-llama-7b", "spectron-llama-7b"])
+def test_the_7b_configs_plan_on_64_to_512_gpus_with_each_rank_building_its_shard(name):
+    """Each tensor-parallel rank builds its own shard (on the meta device here, as the trainer builds it on each
+    rank): no rank holds the whole model, and every layout fits 80 GB."""
+    cfg = load_config(name)
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in Llama(cfg.model, 32000, layer_factory(cfg)).parameters())
+        shard = sum(p.numel() for p in Llama(cfg.model, 32000, layer_factory(cfg, TensorParallel(None, 8, 0))).parameters())
+    assert shard < whole / 2, (shard, whole)
+    for gpus in (64, 256, 512):
+        planned = plan(cfg, gpus, 32000)
+        assert planned.model["weights"] <= 2 * shard and planned.total < 80e9  # bf16: at most the shard's elements
+
+
+@pytest.mark.parametrize("name", ["llama-7b", "smet-llama-7b", "spectron-llama-7b"])
+def test_the_7b_configs_launch_on_8_nodes_of_8_gpus(name, dataset, tmp_path):
+    result = megasparse("launch", "slurm", name, "--nodes", "8", "--procs-per-node", "8", "--gpus-per-node", "8",
+                        "--set", f"data.path={dataset}", "--dry-run", launcher="none", cwd=tmp_path).check()
+    assert "#SBATCH --nodes=8" in result.stdout and "#SBATCH --ntasks-per-node=8" in result.stdout
