@@ -110,7 +110,7 @@ MEASURED_AT = {
     "activation_memory.json": ("3ce9594 (2026-12-01)", None),
     "checkpoint_stall.json": ("bc27500 (2026-12-05)", None),
     "checkpoint_stall_unpooled.json": ("bc27500 (2026-12-05)", "11ad390"),
-    "cluster_plan.json": ("dcb74ac (2026-12-05)", "dcb74ac with the 7B presets and configs"),
+    "cluster_plan.json": ("37f1fba (2026-12-05)", None),
     "compile_speed.json": ("3ce9594 (2026-12-01)", None),
     "host_syncs.json": ("4209bd4 (2026-12-01)", None),
     "host_syncs_before.json": ("4209bd4 (2026-12-01)", "e65ec62"),
