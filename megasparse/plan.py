@@ -37,9 +37,9 @@ run (the tests hold the two within 5%). Within a step come:
   or SMET's step pieces (16 bytes per slot of a sixth of the largest partition).
 
 With checkpoints written in the background (``checkpoint.async_save``) a rank holds in host memory, from the
-first save on, a copy of what it writes (:mod:`megasparse.checkpoint.staging`): its persistent bytes on data-parallel rank 0, which
-writes the module's weights and masks and its optimizer partition; at ZeRO-1/2 the others write their partition
-only, its masters, moments and cohorts; at ZeRO-3 every rank writes its partition of all but the weights (the fp32
+first save on, a copy of what it writes (:mod:`megasparse.checkpoint.staging`): its persistent bytes on
+data-parallel rank 0, which writes the module's weights and masks and its optimizer partition; at ZeRO-1/2 the
+others write their partition only, its masters, moments and cohorts (so they fall as 1/D); at ZeRO-3 every rank writes its partition of all but the weights (the fp32
 masters hold their values), masks included; at ZeRO-0 the others write nothing.
 
 Not counted: DeepSpeed's communication buckets (``reduce_bucket_size``, ``allgather_bucket_size``,
