@@ -2,10 +2,15 @@
 
     python benchmarks/smet_scaling.py --ranks 2 4 8 --stages 1 2 3 --precisions bf16 fp32 \
         --densities 0.5 0.25 0.1 --out benchmarks/results/smet_scaling.json
+    python benchmarks/smet_scaling.py --ranks 4 --tensor-parallel 2 4 --mask-blocks 0 8 \
+        --out benchmarks/results/smet_scaling_tp.json
 
 Each run trains llama-20m's shape with a 512-piece tokenizer (WikiText-2, so that the projections dominate the
 model) for 2 steps on N processes, at one ZeRO stage and precision, dense AdamW or SMET at a density, and writes
-a checkpoint after step 2. Measures per rank:
+a checkpoint after step 2. With ``--tensor-parallel T`` the N processes are T tensor- x N/T data-parallel ranks,
+the MLP width 704 (688 would be padded over 4 ranks) and SMET's masks whole on every rank (``--mask-blocks 0``)
+or in 8 blocks, each rank holding its shard's (``--mask-blocks 8``, active counts in multiples of 8). A finished
+setting is kept in ``--out`` and not run again. Measures per rank:
 
 - **checkpoint bytes**: the module file(s) this rank holds (at ZeRO-1/2 the one module state, which every rank
   also holds in memory, counted for each rank; at ZeRO-3 the rank's own model-states file) plus this rank's
@@ -44,26 +49,42 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     parser.add_argument("--densities", nargs="+", type=float, default=[0.5, 0.25, 0.1])
+    parser.add_argument("--tensor-parallel", nargs="+", type=int, default=[1])
+    parser.add_argument("--mask-blocks", nargs="+", type=int, default=[0])
+
+
+def _key(run: dict) -> tuple:
+    return (run["precision"], run["stage"], run["ranks"], run.get("tensor_parallel", 1), run["density"],
+            run.get("mask_blocks", 0))
 
 
 def _run(args: argparse.Namespace) -> None:
     data, described = wikitext_dataset(VOCAB)
-    runs = []
+    runs = json.loads(args.out.read_text())["runs"] if args.out and args.out.exists() else []
+    done = {_key(r): r for r in runs}
+
+    def measured(setting: dict) -> dict:
+        key = _key(setting)
+        if key not in done:
+            done[key] = run_workers(__file__, setting["ranks"], setting)
+            runs.append(done[key])
+            write_report(args.out, {"settings": settings, "runs": runs})
+        return done[key]
+
+    settings = {"preset": PRESET, "vocab": VOCAB, "seq_len": SEQ_LEN, "data": described, "steps": 2}
     for precision in args.precisions:
         for stage in args.stages:
             for ranks in args.ranks:
-                setting = {"precision": precision, "stage": stage, "ranks": ranks, "data": str(data)}
-                dense = run_workers(__file__, ranks, {**setting, "density": None})
-                runs.append(dense)
-                for density in args.densities:
-                    smet = run_workers(__file__, ranks, {**setting, "density": density})
-                    smet["ratios"] = ratios(smet, dense)
-                    runs.append(smet)
-                print(persistent_table(runs[-1 - len(args.densities):]), flush=True)
+                for tp in args.tensor_parallel:
+                    setting = {"precision": precision, "stage": stage, "ranks": ranks, "tensor_parallel": tp,
+                               "data": str(data), "mask_blocks": 0}
+                    dense = measured({**setting, "density": None})
+                    for density in args.densities:
+                        for blocks in args.mask_blocks:
+                            smet = measured({**setting, "density": density, "mask_blocks": blocks})
+                            smet["ratios"] = ratios(smet, dense)
+    write_report(args.out, {"settings": settings, "runs": runs})
     print(persistent_table(runs))
-    write_report(args.out, {"settings": {"preset": PRESET, "vocab": VOCAB, "seq_len": SEQ_LEN, "data": described,
-                                         "steps": 2},
-                            "runs": runs})
 
 
 def ratios(smet: dict, dense: dict) -> dict:
@@ -85,19 +106,22 @@ def _worker(a: dict, result: Path) -> None:
     from megasparse.plan import plan
     from megasparse.train.memory import KINDS, held_bytes, is_projection
 
-    sparse = a["density"] is not None
+    sparse, tp, blocks = a["density"] is not None, a.get("tensor_parallel", 1), a.get("mask_blocks", 0)
     method = ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
               "sparse.update_interval=1"] if sparse else []
+    method += [f"sparse.mask_blocks={blocks}", "sparse.active_multiple=8"] if blocks else []
+    layout = [f"parallel.tensor_parallel={tp}", "model.ffn_dim=704"] if tp > 1 else []
     out = result.parent / "run"
-    overrides = short_run_overrides(PRESET, a["data"], SEQ_LEN, 2, 2, 2 * a["ranks"], out)
+    overrides = short_run_overrides(PRESET, a["data"], SEQ_LEN, 2, 2, 2 * a["ranks"] // tp, out)
     trainer = start_trainer([*overrides, f"training.precision={a['precision']}", f"parallel.zero_stage={a['stage']}",
-                             "checkpoint.save_final=true", *method])
+                             "checkpoint.save_final=true", *layout, *method])
     trainer.run()
     rank, world = dist.get_rank(), dist.get_world_size()
     projections = held_bytes(trainer.engine, trainer.optimizer, is_projection)
     model = held_bytes(trainer.engine, trainer.optimizer)
     planned = plan(trainer.cfg, world, trainer.data.vocab_size)
-    mine = {"checkpoint": _checkpoint_bytes(out / "checkpoints" / "step_00000002", rank, a["stage"]),
+    mine = {"checkpoint": _checkpoint_bytes(out / "checkpoints" / "step_00000002", trainer.dp_rank, trainer.tp.rank,
+                                            a["stage"]),
             **_live_bytes(trainer.engine.module), "held_projections": projections, "held_model": model,
             "persistent_projections": sum(projections.values()), "persistent_model": sum(model.values()),
             "planned_projections": sum(planned.projections[kind] for kind in KINDS),
@@ -106,16 +130,17 @@ def _worker(a: dict, result: Path) -> None:
     dist.all_gather_object(per_rank, mine)
     if rank == 0:
         result.write_text(json.dumps({"precision": a["precision"], "stage": a["stage"], "ranks": world,
+                                      "tensor_parallel": tp, "mask_blocks": blocks,
                                       "method": "smet" if sparse else "adamw", "density": a["density"],
                                       "per_rank": per_rank}))
 
 
-def _checkpoint_bytes(checkpoint: Path, rank: int, stage: int) -> int:
+def _checkpoint_bytes(checkpoint: Path, dp_rank: int, tp_rank: int, stage: int) -> int:
     """This rank's module file(s) and optimizer partition file, as DeepSpeed wrote them."""
-    files = [*checkpoint.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")]
-    files += [*checkpoint.glob(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")] if stage == 3 else \
-        [*checkpoint.glob("mp_rank_00_model_states.pt")]
-    assert len(files) == 2, f"{checkpoint}: rank {rank}'s files not found ({files})"
+    files = [*checkpoint.glob(f"*zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt")]
+    files += [*checkpoint.glob(f"zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_model_states.pt")] if stage == 3 else \
+        [*checkpoint.glob(f"mp_rank_{tp_rank:02d}_model_states.pt")]
+    assert len(files) == 2, f"{checkpoint}: rank (DP {dp_rank}, TP {tp_rank})'s files not found ({files})"
     return sum(f.stat().st_size for f in files)
 
 
@@ -134,8 +159,11 @@ def _live_bytes(module) -> dict[str, int]:
 
 
 def _setting(r: dict) -> list[str]:
-    return [r["precision"], f"ZeRO-{r['stage']}", str(r["ranks"]),
-            "dense AdamW" if r["density"] is None else f"SMET d={r['density']}"]
+    tp = r.get("tensor_parallel", 1)
+    ranks = f"TP {tp} x DP {r['ranks'] // tp}" if tp > 1 else str(r["ranks"])
+    blocks = ", masks in 8 blocks" if r.get("mask_blocks") else ", whole masks" if tp > 1 else ""
+    return [r["precision"], f"ZeRO-{r['stage']}", ranks,
+            "dense AdamW" if r["density"] is None else f"SMET d={r['density']}{blocks}"]
 
 
 def _ratio(r: dict, key: str, digits: int) -> str:

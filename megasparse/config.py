@@ -240,6 +240,11 @@ class SparseConfig:
     # sparse layer's fp32 sum lives from its first micro-batch's backward to its last), or of its last micro-batch
     # only, summed over the data-parallel ranks (last_micro_batch: one layer's at a time)
     regrow_gradient: Literal["step", "last_micro_batch"] = "step"
+    # B: each sparse matrix is B blocks of whole rows (q, k, v, gate, up) or columns (o, down), the side tensor
+    # parallelism splits, each with 1/B of its active weights, pruned and regrown within the block; each of T ranks
+    # (T dividing B) keeps only its shard's blocks' mask, and the passes send nothing between them. 8 serves 1, 2,
+    # 4 and 8 ranks, the same model in each. 0: one decision over the whole matrix (every rank keeps its mask)
+    mask_blocks: int = number(0, ge=0)
 
 
 @section
@@ -516,6 +521,23 @@ class Config:
         t, m = self.parallel.tensor_parallel, self.model
         for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads)):  # ffn_dim: padded
             _require(value % t == 0, "parallel.tensor_parallel", f"{t} does not divide {key}={value}")
+        blocks = self.sparse.mask_blocks
+        if not blocks or self.model.layer not in ("sparse", "hybrid"):
+            return
+        _require(blocks % t == 0, "sparse.mask_blocks", f"{blocks} blocks do not split over "
+                 f"parallel.tensor_parallel={t} ranks (each rank holds whole blocks)")
+        head_dim = m.dim // m.n_heads
+        sides = {"q_proj": ("model.dim", m.dim), "o_proj": ("model.dim", m.dim),
+                 "k_proj": ("model.n_kv_heads x head dim", m.kv_heads * head_dim),
+                 "v_proj": ("model.n_kv_heads x head dim", m.kv_heads * head_dim),
+                 **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), ("model.ffn_dim", m.ffn_dim))}
+        for role in self.sparse.targets:
+            key, width = sides[role]
+            _require(width % blocks == 0, "sparse.mask_blocks", f"{blocks} does not divide {key}={width}, the side "
+                     f"of {role} that its blocks cut")
+            _require(role in ("q_proj", "k_proj", "v_proj", "o_proj") or width % (8 * t) == 0, "sparse.mask_blocks",
+                     f"model.ffn_dim={width} is padded to a multiple of {8 * t} over {t} tensor-parallel ranks, and "
+                     "blocks take no padding: choose an ffn_dim that is a multiple of it, or sparse.mask_blocks: 0")
 
 
 def _path_problem(path: Path, kind: PathKind) -> str | None:

@@ -6,9 +6,9 @@ fp32 4). For each parameter of n elements on a rank:
 
 - weights: n b at ZeRO-0/1/2; at ZeRO-3 ceil(n / D) b, plus n b when n is at most the persistence threshold
   (such parameters stay gathered: :func:`megasparse.train.deepspeed_config.persistence_threshold`);
-- masks (SMET's, whole on every tensor-parallel rank: n = ceil(out in / 8) bytes as bits, or about
-  (5 nnz + out in / 16) / 8 as offsets below a density of 3/16, :mod:`megasparse.sparse.mask`): the same rule
-  with b = 1;
+- masks (SMET's: n = ceil(out in / 8) bytes as bits, or about (5 nnz + out in / 16) / 8 as offsets below a
+  density of 3/16, :mod:`megasparse.sparse.mask`, whole on every tensor-parallel rank, or with
+  ``sparse.mask_blocks`` the codes of the rank's own blocks, 1/T of them): the same rule with b = 1;
 - masters: 4 n / D at ZeRO-1/2/3 (none at ZeRO-0: the fp32 module weights are the optimizer's);
 - moments: per element 8 (AdamW, SMET, Spectron without orthogonalisation) or 4 (Spectron's momentum), / D
   at ZeRO-1/2/3;
@@ -25,8 +25,9 @@ run (the tests hold the two within 5%). Within a step come:
   reads; attention's s x s scores are not kept, as with PyTorch's fused attention), only the block input
   s B h b per block plus one block's whole set under full checkpointing, and half the block's set under
   selective; plus the logits, s B V (b + 4) / T (with their fp32 copy for the loss);
-- the largest transient: a sparse layer's pass (its dense W and dL/dW, 2 out in b / T, its unpacked mask,
-  about 3 out in bytes, and its positions, 8 nnz); a topology update (per layer: its values, an fp32 state
+- the largest transient, with out in and nnz the positions and slots of the blocks a rank decides (W's, or with
+  ``sparse.mask_blocks`` its shard's, 1/T): a sparse layer's pass (its dense W and dL/dW, 2 out in b / T, its
+  unpacked mask, about 3 out in bytes, and its positions, 8 nnz); a topology update (per layer: its values, an fp32 state
   buffer and the int64 positions, sources and kept slots, (28 + b) nnz, and its unpacked mask, 3 out in, with 16
   nnz more to encode a mask as offsets),
   with SET's list of free positions and its draw, 16 (out in - nnz), or RigL's choice, the fp32 sum of the
@@ -178,26 +179,31 @@ def _largest_transient(model: Llama, cfg: Config, b: int, d: int) -> float:
         return 0.0
 
     def numel(layer: SparseLinear) -> int:
-        return layer.in_features * layer.out_features
+        """The positions of the blocks the rank holds and decides: W's, or its shard's with the mask in blocks."""
+        return layer.blocks.numel * layer.held_blocks
 
-    passes = max(2 * layer.shard_shape[0] * layer.shard_shape[1] * b + 3 * numel(layer) + 8 * layer.nnz
+    def slots(layer: SparseLinear) -> int:
+        return layer.blocks.active * layer.held_blocks
+
+    passes = max(2 * layer.shard_shape[0] * layer.shard_shape[1] * b + 3 * numel(layer) + 8 * slots(layer)
                  for layer in sparse)
     if cfg.sparse.regrow == "gradient":
         # 4 more bytes per weight where the whole dense gradient is a copy (columns padded: whole_matrix)
-        choice = max((6 + 4 * (layer.stored_shape[1] != layer.in_features)) * numel(layer)
-                     + 24 * cfg.sparse.prune_fraction * layer.nnz for layer in sparse)
+        choice = max((6 + 4 * (layer.stored_shape[1] != layer.in_features or layer.blocks.count > 1)) * numel(layer)
+                     + 24 * cfg.sparse.prune_fraction * slots(layer) for layer in sparse)
         if cfg.gradient_accumulation_steps(d) > 1 and cfg.sparse.regrow_gradient == "step":
             choice += sum(4 * layer.shard_shape[0] * layer.shard_shape[1] for layer in sparse)
     else:
-        choice = max(16 * (numel(layer) - layer.nnz) for layer in sparse)
-    update = choice + max((28 + b + 16 * uses_offsets(numel(layer), layer.nnz)) * layer.nnz + 3 * numel(layer)
-                          for layer in sparse)
+        choice = max(16 * (numel(layer) - slots(layer)) for layer in sparse)
+    update = choice + max((28 + b + 16 * uses_offsets(layer.blocks.numel, layer.blocks.active)) * slots(layer)
+                          + 3 * numel(layer) for layer in sparse)
     step = 16 * max(layer.stored_slots for layer in sparse) / (d if cfg.parallel.zero_stage > 0 else 1) / 6
     return float(max(passes, update, step))
 
 
 def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: Plan) -> str:
-    """What the whole masks cost at ZeRO-1/2, and the projections' ratio if ZeRO-3 partitioned them."""
+    """What the masks cost at ZeRO-1/2 (whole, or each rank's blocks), and the projections' ratio if ZeRO-3
+    partitioned them."""
     def projections(p: Plan) -> float:
         return sum(p.projections[k] for k in KINDS)
 
@@ -206,9 +212,10 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
     zero3 = projections(plan(staged, gpus, vocab_size)) / projections(plan(dense_counterpart(staged), gpus, vocab_size))
     whole = dense.projections["weights"]  # what stays whole as ranks are added: the module's weights and masks
     positions = whole * cfg.parallel.tensor_parallel / (2 if cfg.training.precision == "bf16" else 4)  # of every W
-    per_weight = ours.projections["masks"] / positions  # every tensor-parallel rank holds the whole masks
+    held = "each tensor-parallel rank's blocks" if cfg.sparse.mask_blocks else "whole on every rank"
+    per_weight = ours.projections["masks"] / positions  # what a rank's masks cost per weight of the whole W
     limit = (ours.projections["weights"] + ours.projections["masks"]) / whole
-    return (f"masks: whole on every rank at ZeRO-{cfg.parallel.zero_stage} ({per_weight:.3f} byte per weight of W, "
+    return (f"masks: {held} at ZeRO-{cfg.parallel.zero_stage} ({per_weight:.3f} byte per weight of W, "
             f"{ours.model['masks'] / GB:.3f} GB), so the projections' ratio tends to {limit:.3f} as ranks are added: "
             f"{projections(ours) / projections(dense):.3f} here; ZeRO-3 partitions them with the values: {zero3:.3f}")
 

@@ -48,13 +48,16 @@ def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = Fal
     ``hidden`` width as the MLP's is (the unsplit pair does not), and its padding's gradients must be exactly 0."""
     def build(t: TensorParallel, pad: bool):
         torch.manual_seed(0)
-        column, row = ("column", "row") if t.size > 1 or pad else (None, None)
+        column, row = ("column", "row") if t.size > 1 or pad or kind == "sparse-blocks" else (None, None)
         if kind == "lowrank":
             return (LowRankLinear(16, hidden, 6, WeightInit(0.3), t, column, pad=pad),
                     LowRankLinear(hidden, 12, 5, WeightInit(0.3), t, row, pad=pad))
         if kind == "sparse":  # 16 x hidden x 1/4 and hidden x 12 x 1/3 active weights: both even for 24 and 21
             return (SparseLinear(16, hidden, 0.25, WeightInit(0.3), t, column, pad=pad),
                     SparseLinear(hidden, 12, 1 / 3, WeightInit(0.3), t, row, pad=pad))
+        if kind == "sparse-blocks":  # the same in 8 blocks along the split side: 12 active weights in each
+            return (SparseLinear(16, hidden, 0.25, WeightInit(0.3), t, column, pad=pad, blocks=8),
+                    SparseLinear(hidden, 12, 1 / 3, WeightInit(0.3), t, row, pad=pad, blocks=8))
         if kind == "hybrid":  # the factors and residuals of the two above, S drawn (it starts at zero)
             pair = (HybridLinear(16, hidden, 6, 0.25, WeightInit(0.3), t, column, pad=pad),
                     HybridLinear(hidden, 12, 5, 1 / 3, WeightInit(0.3), t, row, pad=pad))
@@ -70,7 +73,7 @@ def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = Fal
     def sparse_part(layer):
         return layer.residual if kind == "hybrid" else layer
 
-    if kind in ("sparse", "hybrid"):  # what RigL's update steps collect
+    if kind in ("sparse", "sparse-blocks", "hybrid"):  # what RigL's update steps collect
         for layer in map(sparse_part, (*split, *whole)):
             layer.dense_grad_hook = functools.partial(setattr, layer, "dense_grad")
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -80,7 +83,8 @@ def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = Fal
     (y.square().sum()).backward()
     (y_whole.square().sum()).backward()
     errors = [relative(y, y_whole), relative(x.grad, x_whole.grad)]
-    names = {"lowrank": ["A", "B"], "sparse": ["values"], "hybrid": ["factors.A", "factors.B", "residual.values"]}
+    names = {"lowrank": ["A", "B"], "sparse": ["values"], "sparse-blocks": ["values"],
+             "hybrid": ["factors.A", "factors.B", "residual.values"]}
     for layer, reference in zip(split, whole):
         for name in names.get(kind, ["weight"]):
             param, ref = operator.attrgetter(name)(layer), operator.attrgetter(name)(reference)
@@ -90,9 +94,11 @@ def mlp_pair(tp: TensorParallel, kind: str, hidden: int = 24, padded: bool = Fal
             if hasattr(param, "padding"):  # the padding's gradient: exactly zero, or the check fails
                 pad_dim, width = param.padding
                 errors.append(float("inf") if full.narrow(pad_dim, width, full.shape[pad_dim] - width).any() else 0)
-        if kind in ("sparse", "hybrid"):
+        if kind in ("sparse", "sparse-blocks", "hybrid"):
             part, reference_part = sparse_part(layer), sparse_part(reference)
-            errors.append(relative(part.whole_matrix(part.dense_grad), reference_part.dense_grad))
+            dense_grad = gathered(part.dense_grad, tp, 0 if part.parallel == "column" else 1) if part.parallel \
+                else part.dense_grad
+            errors.append(relative(dense_grad[:part.out_features, :part.in_features], reference_part.dense_grad))
     return max(errors)
 
 
@@ -106,6 +112,24 @@ def lowrank_pair(tp):
 
 def sparse_pair(tp):
     return mlp_pair(tp, "sparse")
+
+
+def sparse_blocks_pair(tp):
+    return mlp_pair(tp, "sparse-blocks")
+
+
+def sparse_blocks_masks(tp):
+    """Each rank holds the codes of its shard's blocks only: 1/T of the layer's mask, and joined the whole one's."""
+    errors = []
+    for parallel in ("column", "row"):
+        torch.manual_seed(0)
+        split = SparseLinear(16, 24, 0.25, WeightInit(0.3), tp, parallel, blocks=8)
+        torch.manual_seed(0)
+        whole = SparseLinear(16, 24, 0.25, WeightInit(0.3), TensorParallel(), parallel, blocks=8)
+        same = split.mask.numel() * tp.size == whole.mask.numel() and torch.equal(
+            gathered(split.mask.data, tp, 0), whole.mask.data)
+        errors.append(0.0 if same else float("inf"))
+    return max(errors)
 
 
 def hybrid_pair(tp):
@@ -355,7 +379,7 @@ def group_timeouts(tp: TensorParallel) -> float:
     return max(abs(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() - 180) for g in groups)
 
 
-CHECKS = [dense_pair, lowrank_pair, sparse_pair, hybrid_pair, hybrid_is_the_sum_of_its_parts, padded_pairs, vocab_parallel, power_iteration_steps,
+CHECKS = [dense_pair, lowrank_pair, sparse_pair, sparse_blocks_pair, sparse_blocks_masks, hybrid_pair, hybrid_is_the_sum_of_its_parts, padded_pairs, vocab_parallel, power_iteration_steps,
           power_iteration_converges, newton_schulz_split, spectron_step_collectives, spectron_step_partitioned, spectron_step_unequal_partitions,
           shared_factorisation, zero3_build, group_timeouts]
 

@@ -138,12 +138,29 @@ def test_consolidated_forms(runs, tmp_path):
     assert f"{prefix}.A" not in dense
 
 
+def test_masks_in_blocks_consolidate_in_both_forms_and_load_back(runs, tmp_path):
+    """A checkpoint whose masks are split in blocks over 2 tensor-parallel ranks consolidates (masked and compact)
+    into one model, which loads back into a model of the same blocks (each block's share checked) and computes the
+    trained model's logits."""
+    tag = trained(runs, "smet-blocks", 1, 4, 2)
+    for name, flags in [("masked", []), ("compact", ["--sparse", "compact"])]:
+        megasparse_here("convert", "consolidate", str(tag), "--out", str(tmp_path / name), *flags).check()
+    checkpoint = open_checkpoint(tag)
+    ours = holding(read_training_state(checkpoint).weights, checkpoint.config, 400)
+    tokens = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name in ("masked", "compact"):
+            assert torch.equal(model_from(tmp_path / name)(tokens), ours(tokens)), name
+
+
 @pytest.mark.parametrize("method,zero,nproc,tp", [("dense", 2, 2, 1), ("smet", 2, 2, 1), ("spectron", 2, 2, 2),
-                                                  ("spectron-ffn180", 1, 4, 2), ("hybrid", 2, 4, 2)])
+                                                  ("spectron-ffn180", 1, 4, 2), ("hybrid", 2, 4, 2),
+                                                  ("smet-blocks", 1, 4, 2)])
 def test_export_hf_logits_and_tokenizer(runs, tmp_path, method, zero, nproc, tp):
     """`transformers` loads the export; its logits equal the megasparse model's within 1e-4 (fp32) and its
     tokenizer encodes like the SentencePiece model the data was made with. A padded MLP (ffn_dim 180, stored as
-    2 x 96) exports its real width; a hybrid projection its dense W = A B + S."""
+    2 x 96) exports its real width; a hybrid projection its dense W = A B + S; masks in blocks, split over the
+    tensor-parallel ranks, their matrix."""
     tag = trained(runs, method, zero, nproc, tp)
     megasparse_here("convert", "export-hf", str(tag), "--out", str(tmp_path / "hf")).check()
     checkpoint = open_checkpoint(tag)

@@ -299,7 +299,7 @@ def test_regrowth_by_gradient_of_the_step_or_of_its_last_micro_batch(last_only):
     regrowth(last.clone())
     active = layer.active().clone()
     expected = gradient_regrowth(last.clone() if last_only else first + last, active, 5)
-    assert torch.equal(regrowth.positions, expected)
+    assert torch.equal(regrowth.positions[0], expected)
 
 
 def test_active_counts_are_rounded_to_the_multiple_with_the_density_moved_by_under_half_of_it():
@@ -351,8 +351,8 @@ def test_rigl_chooses_in_the_backward_from_the_summed_dense_gradient(micro_batch
     for layer, dense, regrowth in zip((model.a, model.b), (dense_a, dense_b), updater.regrowth):
         assert regrowth.total is None and regrowth.seen == micro_batches
         active = layer.active()
-        assert regrowth.positions.tolist() == gradient_regrowth(dense.grad, active, regrowth_count(layer, zeta)).tolist()
-    chosen, before = updater.regrowth[0].positions.tolist(), set(model.a.positions().tolist())
+        assert regrowth.positions[0].tolist() == gradient_regrowth(dense.grad, active, regrowth_count(layer, zeta)).tolist()
+    chosen, before = updater.regrowth[0].positions[0].tolist(), set(model.a.positions().tolist())
     updater.optimizer.step()
     updater.update(2)
     assert set(model.a.positions().tolist()) - before == set(chosen) and updater.regrowth == []

@@ -85,6 +85,36 @@ def test_tensor_and_data_parallel_sparse_layers_match_one_process(runs, zero, me
         assert_same_model(whole(run, step), whole(reference, step), rel=TP_WEIGHTS)
 
 
+BLOCK_LAYOUTS = [(1, 2, 2, "smet-blocks"), (2, 4, 2, "smet-blocks"), (3, 4, 2, "smet-blocks"),
+                 (2, 4, 2, "smet-blocks-rigl"), (1, 4, 4, "smet-blocks"), (1, 4, 4, "smet-blocks-rigl")]
+
+
+@pytest.mark.parametrize("zero,nproc,tp,method", BLOCK_LAYOUTS)
+def test_masks_in_blocks_split_over_tensor_parallel_ranks_equal_one_process(runs, zero, nproc, tp, method):
+    """With sparse.mask_blocks each tensor-parallel rank decides and stores only its shard's blocks (its module
+    file holds 1/T of every mask), and every layout, with SET and RigL, gives one process's masks, its losses
+    within 1e-5 and its weights within TP_WEIGHTS."""
+    reference, run = runs(0, 1, 1, method=method), runs(zero, nproc, 1, method=method, tp=tp)
+    assert [r["step"] for r in read_metrics(run, "topology")] == [2, 4, 6]
+    assert train_losses(run) == pytest.approx(train_losses(reference), rel=1e-5)
+    for step in (4, 8):
+        assert_same_model(whole(run, step), whole(reference, step), rel=TP_WEIGHTS)
+    whole_masks = {k: v for k, v in checkpoint(reference, 8).items() if k.endswith(".mask")}
+    shard = checkpoint(run, 8) if zero != 3 else None  # ZeRO-3's module files hold no parameters
+    if shard is not None:
+        assert whole_masks and all(shard[k].numel() * tp == v.numel() for k, v in whole_masks.items())
+
+
+def test_resume_is_exact_with_masks_in_blocks(runs, dataset, tmp_path):
+    uninterrupted = runs(1, 4, 1, method="smet-blocks", tp=2)
+    cfg = tiny_config(dataset, tmp_path / "resumed", "smet-blocks", parallel={"zero_stage": 1, "tensor_parallel": 2},
+                      training={"micro_batch_size": 4})
+    step4 = uninterrupted / "checkpoints" / "step_00000004"
+    megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4), nproc=4).check()
+    assert train_losses(tmp_path / "resumed") == train_losses(uninterrupted)[4:]
+    assert_same_model(whole(tmp_path / "resumed", 8), whole(uninterrupted, 8), rel=0.0)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_resume_is_exact_with_compact_state(runs, dataset, tmp_path, zero):
     uninterrupted = runs(zero, 2, 4, method="smet")

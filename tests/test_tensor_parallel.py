@@ -15,6 +15,8 @@ TOLERANCES = {
     "dense_pair": 1e-6,            # column- then row-parallel linear: outputs, input and weight gradients
     "lowrank_pair": 1e-6,          # the same with low-rank factors (A split / B split)
     "sparse_pair": 1e-6,           # the same with SMET's sparse layers (slots split), and RigL's dense gradient
+    "sparse_blocks_pair": 1e-6,    # the same with the masks in 8 blocks, each rank holding its shard's: no gathers
+    "sparse_blocks_masks": 0,      # each rank's mask is its shard's blocks' codes, 1/T of the layer's
     "hybrid_pair": 1e-6,           # the same with W = A B + S formed once (both parts split alike), RigL's gradient
     "hybrid_is_the_sum_of_its_parts": 1e-6,  # W = A B + S formed once against the two parts' products added
     "padded_pairs": 1e-6,          # the four with a hidden width padded to split (21 -> 2 x 16 and 24): exact zeros

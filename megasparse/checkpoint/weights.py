@@ -42,7 +42,7 @@ from megasparse.hybrid.layer import HybridLinear
 from megasparse.lowrank.layers import LowRankLinear
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import pack, pack_bits, unpack, unpack_bits
+from megasparse.sparse.mask import pack_bits, unpack_bits
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.yaml"
 
@@ -56,11 +56,12 @@ def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse:
         if isinstance(module, SparseLinear):
             values, code = out.pop(f"{prefix}.values"), out.pop(f"{prefix}.mask")
             shape = (module.out_features, module.in_features)
-            mask = unpack(code, module.out_features * module.in_features, values.numel()).view(shape)
-            if sparse == "compact":  # the training form, its mask as bits
-                out[f"{prefix}.values"], out[f"{prefix}.bitmask"] = values, pack_bits(mask)
+            positions = module.blocks.held_positions(module.blocks.local_positions(code))  # W's, in slot order
+            dense = values.new_zeros(shape).view(-1).index_copy_(0, positions, values).view(shape)
+            mask = torch.zeros(shape, dtype=torch.bool).view(-1).index_fill_(0, positions, True).view(shape)
+            if sparse == "compact":  # the active weights in row-major order, the mask as bits
+                out[f"{prefix}.values"], out[f"{prefix}.bitmask"] = dense[mask], pack_bits(mask)
             else:
-                dense = values.new_zeros(shape).masked_scatter_(mask, values)
                 out[f"{prefix}.weight"] = dense
                 if sparse == "masked":
                     out[f"{prefix}.mask"] = mask
@@ -80,17 +81,19 @@ def portable_tensors(weights: dict[str, torch.Tensor], model: nn.Module, sparse:
 
 def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source: str) -> dict[str, torch.Tensor]:
     """The inverse of :func:`portable_tensors` for ``model``: state-dict names and shapes (whole, before any
-    tensor-parallel split), sparse layers as values in position order and a packed mask."""
+    tensor-parallel split), sparse layers as values in slot order and their mask code."""
     out = dict(tensors)
     for prefix, module in model.named_modules():
         if isinstance(module, SparseLinear):
-            numel = module.in_features * module.out_features
+            numel, blocks = module.in_features * module.out_features, module.blocks
             if f"{prefix}.bitmask" in out:
                 mask = unpack_bits(out.pop(f"{prefix}.bitmask"), numel)
                 values = out.pop(f"{prefix}.values")
+                dense = values.new_zeros(numel).masked_scatter_(mask, values)
             elif f"{prefix}.mask" in out:
                 mask = out.pop(f"{prefix}.mask").reshape(-1)
-                values = out.pop(f"{prefix}.weight").reshape(-1)[mask]
+                dense = out.pop(f"{prefix}.weight").reshape(-1)
+                values = dense[mask]
             else:
                 raise UserError(f"{source} has no mask for the sparse layer '{prefix}' (write it with "
                                 "--sparse masked or compact)")
@@ -100,7 +103,12 @@ def training_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, source:
             if values.numel() != module.nnz:
                 raise UserError(f"{source}: '{prefix}' has {values.numel()} active weights, this model's density "
                                 f"gives it {module.nnz}")
-            out[f"{prefix}.values"], out[f"{prefix}.mask"] = values, pack(mask, values.numel())
+            per_block = blocks.split(mask)
+            if blocks.count > 1 and (per_block.sum(1) != blocks.active).any():
+                raise UserError(f"{source}: '{prefix}' does not have {blocks.active} active weights in each of the "
+                                f"{blocks.count} blocks that this model's sparse.mask_blocks cuts it into")
+            positions = blocks.held_positions(per_block.nonzero()[:, 1].view(blocks.count, -1))
+            out[f"{prefix}.values"], out[f"{prefix}.mask"] = dense[positions], blocks.pack(per_block)
         elif isinstance(module, LowRankLinear) and f"{prefix}.A" not in out:
             raise UserError(f"{source} has no factors for the low-rank layer '{prefix}' (write it with --lowrank factors)")
     if model.lm_head.weight is model.embed_tokens.weight:

@@ -27,7 +27,6 @@ from megasparse.lowrank.layers import LowRankLinear, balanced_factors
 from megasparse.model.factory import low_ranks
 from megasparse.parallel.mappings import TensorParallel
 from megasparse.sparse.layer import SparseLinear
-from megasparse.sparse.mask import pack
 
 HF_WEIGHTS = "model.safetensors"
 FACTORED_MODULE = "modeling_factored_llama"  # the factored model's code, in an exported folder
@@ -162,11 +161,12 @@ def convert_projections(weights: dict[str, torch.Tensor], cfg: Config, vocab_siz
     for prefix, module in model.named_modules():
         if isinstance(module, (SparseLinear, LowRankLinear)):
             dense = _take(out, f"{prefix}.weight", (module.out_features, module.in_features))
-            if isinstance(module, SparseLinear):
-                keep = dense.reshape(-1).abs().topk(module.nnz, sorted=False).indices.sort().values
-                out[f"{prefix}.values"] = dense.reshape(-1)[keep]
-                out[f"{prefix}.mask"] = pack(torch.zeros(dense.numel(), dtype=torch.bool).index_fill_(0, keep, True),
-                                              module.nnz)
+            if isinstance(module, SparseLinear):  # the largest magnitudes of each block (of the whole matrix)
+                blocks = module.blocks
+                keep = blocks.split(dense.abs()).topk(blocks.active, dim=1, sorted=False).indices.sort(dim=1).values
+                out[f"{prefix}.values"] = dense.reshape(-1)[blocks.held_positions(keep)]
+                active = torch.zeros(blocks.count, blocks.numel, dtype=torch.bool).scatter_(1, keep, True)
+                out[f"{prefix}.mask"] = blocks.pack(active)
             else:
                 out[f"{prefix}.A"], out[f"{prefix}.B"] = balanced_factors(dense, module.rank)
     if cfg.model.tie_embeddings:

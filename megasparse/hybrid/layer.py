@@ -88,12 +88,12 @@ class _HybridFunction(torch.autograd.Function):
 class HybridLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int, density: float, init: WeightInit,
                  tp: TensorParallel = TensorParallel(), parallel: Literal["column", "row"] | None = None,
-                 factorise: Factorise = balanced_factors, pad: bool = False) -> None:
+                 factorise: Factorise = balanced_factors, pad: bool = False, blocks: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.split = parallel if tp.size > 1 else None  # how this layer's collectives run
         self.factors = LowRankLinear(in_features, out_features, rank, init, tp, parallel, factorise, pad)
-        self.residual = SparseLinear(in_features, out_features, density, ZERO_START, tp, parallel, pad)
+        self.residual = SparseLinear(in_features, out_features, density, ZERO_START, tp, parallel, pad, blocks)
         for param in (self.factors.A, self.factors.B, self.residual.values, self.residual.mask):
             # used in this module's forward, not their own: ZeRO-3 gathers them for it (elsewhere a no-op record)
             deepspeed.zero.register_external_parameter(self, param)

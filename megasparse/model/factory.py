@@ -6,6 +6,8 @@ factory), so densities and ranks can never disagree with the layers the model as
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megasparse.config import Config, ModelConfig
@@ -56,9 +58,9 @@ def layer_factory(cfg: Config, tp: TensorParallel = TensorParallel(), factorise:
     take their initial factors)."""
     base = TensorParallelLayers(tp) if tp.size > 1 else DenseLayers()
     if cfg.model.layer == "sparse":
-        return SparseLayers(base, tp, sparse_densities(cfg))
+        return SparseLayers(base, tp, sparse_densities(cfg), cfg.sparse.mask_blocks)
     if cfg.model.layer == "hybrid":
-        return HybridLayers(base, tp, low_ranks(cfg), sparse_densities(cfg), factorise)
+        return HybridLayers(base, tp, low_ranks(cfg), sparse_densities(cfg), factorise, cfg.sparse.mask_blocks)
     return LowRankLayers(base, tp, low_ranks(cfg), factorise) if cfg.model.layer == "lowrank" else base
 
 
@@ -80,13 +82,15 @@ def sparse_densities(cfg: Config) -> dict[str, float]:
     checked to give a number of active weights that the tensor-parallel ranks share evenly (each stores the same
     number of slots)."""
     shapes, _ = projection_shapes(cfg.model)
-    t, densities = cfg.parallel.tensor_parallel, {}
+    t, blocks, densities = cfg.parallel.tensor_parallel, cfg.sparse.mask_blocks, {}
+    share = math.lcm(t, blocks or 1)
+    who = f"parallel.tensor_parallel: {t} ranks" if share == t else f"sparse.mask_blocks: {blocks} blocks"
     for role, (density, nnz, rounded, numel) in active_counts(cfg).items():
-        if rounded % t:
+        if rounded % share:
             in_features, out_features = shapes[role]
-            raise ConfigError(f"parallel.tensor_parallel: {t} ranks cannot share the {rounded} active weights of "
+            raise ConfigError(f"{who} cannot share the {rounded} active weights of "
                               f"{role} ({rounded / numel:.4g} of {out_features} x {in_features}) evenly; set "
-                              f"sparse.active_multiple to a multiple of {t} (8 serves 1, 2, 4 and 8 ranks), which "
+                              f"sparse.active_multiple to a multiple of {share} (8 serves 1, 2, 4 and 8 ranks), which "
                               "rounds each layer's active count")
         densities[role] = density if rounded == nnz else rounded / numel  # unrounded: the density as configured
     return densities

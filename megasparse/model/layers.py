@@ -92,18 +92,20 @@ def _initialised(layer: nn.Linear, init: WeightInit, role: Role | None = None) -
 
 
 class SparseLayers:
-    """``SparseLinear`` at the given density for each role in ``densities``; everything else from ``base``
-    (``DenseLayers`` on one tensor-parallel rank, ``TensorParallelLayers`` on several)."""
+    """``SparseLinear`` at the given density for each role in ``densities``, its mask in ``blocks`` blocks
+    (``sparse.mask_blocks``); everything else from ``base`` (``DenseLayers`` on one tensor-parallel rank,
+    ``TensorParallelLayers`` on several)."""
 
-    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, densities: dict[str, float]) -> None:
-        self.base, self.tp, self.densities = base, tp, densities
+    def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, densities: dict[str, float],
+                 blocks: int = 0) -> None:
+        self.base, self.tp, self.densities, self.blocks = base, tp, densities, blocks
         self.embedding, self.head = base.embedding, base.head
 
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.densities:
             return self.base.projection(in_features, out_features, role, init)
         return SparseLinear(in_features, out_features, self.densities[role], init, self.tp, _split(role),
-                            pad=role in PADDED_ROLES)
+                            pad=role in PADDED_ROLES, blocks=self.blocks)
 
 
 class TensorParallelLayers:
@@ -138,19 +140,20 @@ class LowRankLayers:
 
 
 class HybridLayers:
-    """``HybridLinear`` (W = A B + S) of the given rank and residual density for each role in ``ranks``; everything
-    else from ``base``."""
+    """``HybridLinear`` (W = A B + S) of the given rank and residual density (its mask in ``blocks`` blocks) for each
+    role in ``ranks``; everything else from ``base``."""
 
     def __init__(self, base: DenseLayers | TensorParallelLayers, tp: TensorParallel, ranks: dict[str, int],
-                 densities: dict[str, float], factorise: Factorise = balanced_factors) -> None:
+                 densities: dict[str, float], factorise: Factorise = balanced_factors, blocks: int = 0) -> None:
         self.base, self.tp, self.ranks, self.densities, self.factorise = base, tp, ranks, densities, factorise
+        self.blocks = blocks
         self.embedding, self.head = base.embedding, base.head
 
     def projection(self, in_features: int, out_features: int, role: Role, init: WeightInit) -> nn.Module:
         if role not in self.ranks:
             return self.base.projection(in_features, out_features, role, init)
         return HybridLinear(in_features, out_features, self.ranks[role], self.densities[role], init, self.tp,
-                            _split(role), self.factorise, pad=role in PADDED_ROLES)
+                            _split(role), self.factorise, pad=role in PADDED_ROLES, blocks=self.blocks)
 
 
 def _split(role: Role) -> Literal["column", "row"]:

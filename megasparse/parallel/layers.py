@@ -49,13 +49,14 @@ def padded_width(width: int, parts: int) -> int:
     return -(-width // step) * step
 
 
-def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None, pad: bool = False) -> nn.Parameter:
+def sharded_parameter(full: torch.Tensor, tp: TensorParallel, dim: int | None, pad: bool = False,
+                      requires_grad: bool = True) -> nn.Parameter:
     """``full`` (or, with ``dim``, this rank's slice of it along ``dim``) as a parameter marked for DeepSpeed;
     with ``pad``, ``full`` first takes zeros along ``dim`` up to :func:`padded_width` (on one rank as well)."""
     if pad:
         width = full.shape[dim]
         full = F.pad(full, _pad_spec(full.dim(), dim, padded_width(width, tp.size) - width))
-    param = nn.Parameter(full if dim is None or tp.size == 1 else tp.shard(full, dim))
+    param = nn.Parameter(full if dim is None or tp.size == 1 else tp.shard(full, dim), requires_grad=requires_grad)
     if dim is not None and tp.size > 1:
         param.tensor_model_parallel, param.partition_dim = True, dim
     if pad:

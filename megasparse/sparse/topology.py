@@ -68,8 +68,9 @@ def prune_fraction(cfg: SparseConfig, step: int, total_steps: int) -> float:
 
 
 def regrowth_count(layer: SparseLinear, zeta: float) -> int:
-    """How many of ``layer``'s slots an update with prune fraction ``zeta`` moves."""
-    return min(int(zeta * layer.nnz), layer.in_features * layer.out_features - layer.nnz)
+    """How many slots of each of ``layer``'s blocks an update with prune fraction ``zeta`` moves."""
+    blocks = layer.blocks
+    return min(int(zeta * blocks.active), blocks.numel - blocks.active)
 
 
 def pruned_slots(values: torch.Tensor, count: int) -> torch.Tensor:
@@ -140,7 +141,7 @@ class GradientRegrowth:
         self.last_only = last_only  # sparse.regrow_gradient: last_micro_batch
         self.seen = 0
         self.total: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        self.positions: list[torch.Tensor] | None = None  # per held block, its chosen local positions
 
     def __call__(self, grad_weight: torch.Tensor) -> None:
         if self.seen == self.micro_batches:
@@ -157,8 +158,9 @@ class GradientRegrowth:
         if dist.is_initialized():  # the sum over data-parallel ranks
             dist.all_reduce(total, group=self.dp_group)
         layer = self.layer
-        active = layer.active()
-        self.positions = gradient_regrowth(layer.whole_matrix(total), active, self.count)
+        scores, active = layer.held_matrices(total), layer.block_active()
+        del total
+        self.positions = [gradient_regrowth(block, chosen, self.count) for block, chosen in zip(scores, active)]
 
 
 class TopologyUpdater:
@@ -214,76 +216,94 @@ class TopologyUpdater:
             # no-ops below ZeRO-3; one parameter each, as DeepSpeed 0.19.0 gathers a list into its first one's dtype
             with deepspeed.zero.GatheredParameters([layer.values], modifier_rank=0), \
                     deepspeed.zero.GatheredParameters([layer.mask], modifier_rank=0):
-                values = layer.whole(layer.values)
-                positions = layer.positions()
-                active = layer.active()
-                pruned = pruned_slots(values, count)
-                regrown = self._regrown_positions(number, step, count, active)
-                source, landing = slot_sources(positions, pruned, regrown)
-                active[positions[pruned]] = False
-                active[regrown] = True
-                layer.set_active(active)
-                mine = slice(layer.first_slot, layer.first_slot + layer.stored_slots)
-                layer.values.copy_(torch.where(source[mine] >= 0, values[source[mine].clamp(min=0)], 0))
+                values, positions, active = layer.held(layer.values), layer.local_positions(), layer.block_active()
+                m = layer.blocks.active
+                sources, landings = [], []
+                for i in range(layer.held_blocks):
+                    pruned = pruned_slots(values[i * m:(i + 1) * m], count)
+                    regrown = self._regrown_positions(number, layer.first_block + i, step, count, active[i])
+                    source, landing = slot_sources(positions[i], pruned, regrown)
+                    active[i, positions[i][pruned]] = False
+                    active[i, regrown] = True
+                    sources.append(torch.where(source >= 0, source + i * m, -1))
+                    landings.append(landing + i * m)
+                source, landing = torch.cat(sources), torch.cat(landings)
+                layer.set_block_active(active)
+                first = layer.first_slot - layer.first_held_slot
+                mine = source[first:first + layer.stored_slots]
+                layer.values.copy_(torch.where(mine >= 0, values[mine.clamp(min=0)], 0))
                 if number == 0:
                     skew_mask(layer.mask, step)
                 sums.append(mask_checksum(layer.mask))
             if count:  # the same on every rank
                 self._move_optimizer_state(layer, source, layer.local_slots(landing), cohort)
-            moved += count
+            moved += count * layer.blocks.count
         self.regrowth = []
         self._check_ranks_agree(step, torch.stack(sums))
         return {"zeta": zeta, "regrown": moved}
 
     def _move_optimizer_state(self, layer: SparseLinear, source: torch.Tensor, regrown: torch.Tensor,
                               cohort: int) -> None:
-        """Give each of ``layer``'s slots on this rank the optimizer state of its old slot ``source[slot]`` (whole
-        layer order), wherever that was held, then restart the ``regrown`` slots (this rank's, local order) in
-        ``cohort``. One all-reduce per state tensor, of the whole layer's nnz numbers, over every rank when ZeRO
-        partitions the state (each slot on exactly one rank), else over the tensor-parallel group."""
+        """Give each of ``layer``'s slots on this rank the optimizer state of its old slot ``source[slot]`` (slots
+        of the held blocks, counted from ``first_held_slot``), wherever that was held, then restart the ``regrown``
+        slots (this rank's, local order) in ``cohort``. One all-reduce per state tensor of the held blocks' slots
+        (each contributed by exactly one rank): over the data-parallel group where ZeRO partitions the state, and
+        over the tensor-parallel group too where the ranks hold every block (whole-layer decisions); none where
+        each rank holds its own blocks and their whole state."""
         fragments = self.fragments(layer.values)
-        group = None if self.partitioned else layer.tp.group
-        communicate = dist.is_initialized() and (self.partitioned or layer.parallel is not None)
+        spread = layer.parallel is not None and not layer.splits_mask
+        group = None if self.partitioned and spread else self.dp_group if self.partitioned else layer.tp.group
+        communicate = dist.is_initialized() and (self.partitioned or spread)
         keys = ("weight",) * self.partitioned + self.optimizer.slot_keys  # ZeRO-0's weights are the module's values
+        offset = layer.first_slot - layer.first_held_slot
         for key in keys:
-            whole = torch.zeros(layer.nnz, dtype=torch.float32, device=layer.values.device)
-            held = [(self.optimizer.slot_state(f.owner)[key].view(-1), f) for f in fragments]
-            for tensor, f in held:
-                first = layer.first_slot + f.start
-                whole[first:first + f.numel] = tensor[f.offset:f.offset + f.numel]
+            held = torch.zeros(source.numel(), dtype=torch.float32, device=layer.values.device)
+            pieces = [(self.optimizer.slot_state(f.owner)[key].view(-1), f) for f in fragments]
+            for tensor, f in pieces:
+                first = offset + f.start
+                held[first:first + f.numel] = tensor[f.offset:f.offset + f.numel]
             if communicate:
-                dist.all_reduce(whole, group=group)
-            for tensor, f in held:
-                first = layer.first_slot + f.start
-                tensor[f.offset:f.offset + f.numel] = whole[source[first:first + f.numel].clamp(min=0)]
+                dist.all_reduce(held, group=group)
+            for tensor, f in pieces:
+                first = offset + f.start
+                tensor[f.offset:f.offset + f.numel] = held[source[first:first + f.numel].clamp(min=0)]
         for f in fragments:
             self.optimizer.regrow(f.owner, f.positions(regrown), cohort)
 
-    def _regrown_positions(self, number: int, step: int, count: int, active: torch.Tensor) -> torch.Tensor:
-        """Where layer ``number``'s pruned slots move: RigL's choice from the step's backward, or SET's draw from a
-        generator seeded by (seed, step, layer) among the positions inactive in ``active``."""
+    def _regrown_positions(self, number: int, block: int, step: int, count: int, active: torch.Tensor) -> torch.Tensor:
+        """Where the pruned slots of block ``block`` of layer ``number`` move (local positions): RigL's choice from
+        the step's backward, or SET's draw among the positions inactive in ``active`` from a generator seeded by
+        (seed, step, layer), and the block where the layer has several."""
         if self.cfg.regrow == "gradient":
             chosen = self.regrowth[number].positions if self.regrowth else None
             if chosen is None:
                 raise RuntimeError(f"step {step}: RigL's regrowth of {self.names[number]} was not chosen: the step did "
                                    "not run inside TopologyUpdater.around_step, or its backward missed micro-batches")
-            return chosen
+            return chosen[block - self.layers[number].first_block]
         generator = torch.Generator(device=active.device)
-        generator.manual_seed(hash((self.seed, step, number)) & (2**63 - 1))
+        key = (self.seed, step, number, block) if self.layers[number].blocks.count > 1 else (self.seed, step, number)
+        generator.manual_seed(hash(key) & (2**63 - 1))
         return random_regrowth(active, count, generator)
 
     def _check_ranks_agree(self, step: int, sums: torch.Tensor) -> None:
-        """Stop on every rank, naming the layers, when the ranks' masks (their checksums ``sums``) differ after the
-        update at ``step``."""
+        """Stop on every rank, naming the layers, when the ranks that hold the same blocks hold different masks
+        (their checksums ``sums``, one per layer) after the update at ``step``. Each layer has a row per
+        tensor-parallel rank, which the ranks that hold its shard's blocks fill (all its rows hold the whole mask
+        where every rank holds every block) and the others leave at the least int64, so one all-reduce of the rows
+        and their negatives (max) gives every row's largest and smallest checksum on every rank."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        extremes = torch.cat([sums, -sums])
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        highest, lowest = extremes[:len(sums)], -extremes[len(sums):]
-        differ = [name for name, same in zip(self.names, (highest == lowest).tolist()) if not same]
+        least = torch.iinfo(torch.int64).min
+        size = max(layer.tp.size for layer in self.layers)
+        rows = torch.full((2, size, len(sums)), least, dtype=torch.int64, device=sums.device)
+        for number, layer in enumerate(self.layers):
+            row = layer.tp.rank if layer.splits_mask else slice(None)
+            rows[0, row, number], rows[1, row, number] = sums[number], -sums[number]
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+        same = ((rows[0] == -rows[1]) | (rows[0] == least)).all(0)
+        differ = [name for name, agree in zip(self.names, same.tolist()) if not agree]
         if differ:
             raise UserError(f"step {step}: after the topology update the ranks hold different sparse masks in "
                             f"{len(differ)} layer(s) ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}); "
                             "the ranks computed different decisions, as kernels that are not deterministic can: "
                             "resume from the last checkpoint with training.deterministic: true")
-
