@@ -223,6 +223,31 @@ def summary_table(runs: list[dict]) -> str:
                           "lll" + "r" * (len(ranks) + 1), rows)
 
 
+def tensor_parallel_table(runs: list[dict]) -> str:
+    """Per tensor-parallel layout, precision, stage and density: SMET / dense of the projections' persistent bytes
+    with the masks whole on every rank and in 8 blocks, the goal, and the plan against the bytes held (rank 0, the
+    projections, with blocks)."""
+    cells: dict[tuple, dict[int, dict]] = {}
+    for r in runs:
+        if r.get("ratios") and r.get("tensor_parallel", 1) > 1:
+            key = (r["precision"], r["stage"], r["ranks"], r["tensor_parallel"], r["density"])
+            cells.setdefault(key, {})[r.get("mask_blocks", 0)] = r
+    rows = []
+    for (precision, stage, ranks, tp, density), by_blocks in sorted(cells.items()):
+        whole, blocks = by_blocks.get(0), by_blocks.get(8)
+
+        def ratio(run: dict | None) -> str:
+            return f"{run['ratios']['persistent_projections']:.3f}" if run else "-"
+
+        met = blocks["ratios"]["persistent_projections"] <= bound(density) if blocks else None
+        rank0 = blocks["per_rank"][0] if blocks else None
+        rows.append([precision, f"ZeRO-{stage}", f"TP {tp} x DP {ranks // tp}", str(density), ratio(whole),
+                     ratio(blocks), f"{bound(density):.3f}", "-" if met is None else "yes" if met else "**no**",
+                     f"{rank0['planned_projections'] / rank0['persistent_projections']:.3f}" if rank0 else "-"])
+    return markdown_table(["precision", "stage", "layout", "d", "SMET/dense, whole masks", "SMET/dense, 8 blocks",
+                           "goal", "met", "planned / held (blocks)"], "lllrrrrlr", rows)
+
+
 def codes_table(bits: list[dict], codes: list[dict], density: float) -> str:
     """SMET / dense of the projections' persistent bytes at ``density`` with every mask as bits (``bits``' runs)
     and with each in its smaller code (``codes``' runs), one column pair per number of ranks."""

@@ -54,11 +54,12 @@ METHODS["smet-tp-rigl"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"]
 METHODS["smet-tp-erk"] = {**METHODS["smet-tp"], "sparse": {**METHODS["smet-tp"]["sparse"], "init": "erk",
                                                            "active_multiple": 8, "density": 0.15}}
 # Masks in 8 blocks along the split side (sparse.mask_blocks), each rank holding its shard's: an MLP width of 192,
-# which 1, 2 and 4 ranks split unpadded, and active counts that are multiples of 8
+# which 1, 2 and 4 ranks split unpadded, and active counts that are multiples of 8; SET at density 0.25 (each
+# block's mask as bits), RigL at 0.15 (as offsets)
 METHODS["smet-blocks"] = {**METHODS["smet-tp"], "model": {**METHODS["smet-tp"]["model"], "ffn_dim": 192},
                           "sparse": {**METHODS["smet-tp"]["sparse"], "mask_blocks": 8, "active_multiple": 8}}
 METHODS["smet-blocks-rigl"] = {**METHODS["smet-blocks"], "sparse": {**METHODS["smet-blocks"]["sparse"],
-                                                                    "regrow": "gradient"}}
+                                                                    "regrow": "gradient", "density": 0.15}}
 # Spectron on factorised projections (rank 0.25 x in_features) with AdamW on the rest.
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).

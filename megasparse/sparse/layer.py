@@ -4,7 +4,7 @@ The layer stores nnz = round(d * out * in) weights as a compact vector ``values`
 positions of the out x in matrix are active as ``mask`` (:mod:`megasparse.sparse.mask`: a bitmask,
 one bit per position, or below d of about 3/16 the positions' Elias-Fano code, about 5 d + 1/16 bits per
 position). Slot s holds the weight at the s-th
-active position in row-major order. The forward pass lists the active positions p_s on the device
+active position in row-major order (with blocks, below: in its block's order, block after block). The forward pass lists the active positions p_s on the device
 (their count is known, so no host synchronisation), scatters W[p_s] = values[s] (zero elsewhere)
 and computes y = x W^T; the backward pass scatters W again, computes dL/dx = g W and
 dL/dW = g^T x, and returns dL/dvalues[s] = dL/dW[p_s]. Only x is saved between the passes, so one
@@ -15,7 +15,7 @@ of it. Everything that persists is proportional to nnz (the values, DeepSpeed's 
 ZeRO partitions, gradients, optimizer state, reduced gradient bytes), except the mask's at most 1/8 byte
 per position. The mask is a parameter that does not train (``requires_grad=False``, uint8), so ZeRO-3
 partitions it with the values and gathers it with them for the forward and backward passes; below
-ZeRO-3 every rank holds it whole, as it holds the module's values. A topology update changes which
+ZeRO-3 every rank holds its mask whole, as it holds the module's values. A topology update changes which
 bits are set and moves every slot's weight and optimizer state to its new place in the order
 (:mod:`megasparse.sparse.topology`), so no tensor ever changes shape.
 
@@ -28,7 +28,7 @@ megatron-core's semantics for the activations) each of the T ranks stores the co
 the slots, values[t nnz/T : (t + 1) nnz/T]. With blocks these are the slots of the rank's B / T blocks,
 which are its shard of W, and it stores those blocks' codes only: its mask is 1/T of the layer's, the passes
 scatter and read its own values only, and nothing is sent between the tensor-parallel ranks but the
-activations, as for a dense layer. Without blocks every rank keeps the whole mask. A topology
+activations, as for a dense layer. Without blocks every rank keeps the whole mask: a topology
 update is a decision about the whole layer, so a slot may point into any rank's shard of W,
 and the number of active weights in a shard changes from update to update while every rank's
 storage stays nnz/T. The forward and backward passes therefore gather the values over the

@@ -4,9 +4,11 @@ At update step t (t = Delta T, 2 Delta T, ... before ``stop_step``) with prune f
 
     zeta_t = zeta_min + (zeta_0 - zeta_min) * (1 + cos(pi * t / T)) / 2     (Evci et al. 2020, eq. 1)
 
-(T = ``sparse.stop_step`` or the run's steps), each layer with nnz active weights
+(T = ``sparse.stop_step`` or the run's steps), each block of each layer (the whole layer, or with
+``sparse.mask_blocks`` each of its B blocks along the split side, :mod:`megasparse.sparse.blocks`) with m active
+weights
 
-1. prunes the k = floor(zeta_t * nnz) slots of smallest |w| (ties: lower slot first);
+1. prunes the k = floor(zeta_t * m) slots of smallest |w| (ties: lower slot first);
 2. regrows k positions among those inactive before this update (so a position pruned now is
    not regrown now): uniformly at random (SET, Mocanu et al. 2018) or of largest |dL/dW|
    (RigL, Evci et al. 2020; ties: lower position first);
@@ -19,26 +21,29 @@ RigL's step 2 needs dL/dW of the whole dense matrix, which the compact layer nev
 inside the step's backward pass, layer by layer, as soon as a layer's gradient is complete
 (:class:`GradientRegrowth`), so that the layers' dense gradients do not all wait for the update.
 
-The decision is a function of the whole layer (its values, mask and, for RigL, the dense
-gradient summed over data-parallel ranks; all gathered over the tensor-parallel group when the
-layer is split) and of a generator seeded by (seed, t, layer),
-all identical on every rank, so it comes out the same whatever the number of processes, the
+The decision is a function of the block (its values, mask and, for RigL, the dense gradient summed over
+data-parallel ranks; for a whole-layer block all gathered over the tensor-parallel group when the layer is
+split, while blocks lie whole on the rank that holds them) and of a generator seeded by (seed, t, layer), and
+the block where there are several, all identical on every rank that decides it, so it comes out the same
+whatever the number of processes, the
 tensor-parallel degree, the ZeRO stage or the gradient accumulation. Under ZeRO-3 the values and
 the mask are gathered for the decision and changed in the gathered copy, which DeepSpeed partitions
 again.
 
 The optimizer state of a layer's slots is spread over the ranks (ZeRO-1/2/3 partitions, tensor-parallel
-slices), and a slot's new place may be on another rank: each state tensor of the layer (fp32 master,
-first and second moments, cohort ids; one at a time) is assembled whole by one all-reduce to which exactly
-one rank contributes each slot, and every rank takes its part of it in the new order. Per layer that holds
+slices), and a slot's new place may be on another rank: each state tensor of the blocks a rank decides (fp32
+master, first and second moments, cohort ids; one at a time) is assembled whole by one all-reduce to which
+exactly one rank contributes each slot, and every rank takes its part of it in the new order (with blocks split
+over the tensor-parallel ranks, a slot stays on its rank's blocks: the all-reduce runs over the data-parallel
+group only, and not at all without ZeRO). Per layer that holds
 about 4 + 8 + 8 + 8 bytes per slot (the fp32 state, and the int64 positions, sources and kept slots) and the
 unpacked mask, one byte per position of W; nothing moves, and nothing is sent, in a layer that regrows no
 weight.
 
 The masks agree across ranks only because every rank takes the same decision. On CUDA, kernels that are
 not deterministic can make nearly equal magnitudes sort differently on different ranks, so after each
-update the ranks compare a checksum of every layer's mask (one all-reduce of the checksums and their
-negatives, max: the largest and smallest of each) and, where they differ, stop with one line naming
+update the ranks that hold the same blocks compare a checksum of every layer's mask (one all-reduce of the
+checksums and their negatives, max: the largest and smallest of each) and, where they differ, stop with one line naming
 the layers instead of training on different masks.
 """
 from __future__ import annotations
