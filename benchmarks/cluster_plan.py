@@ -1,6 +1,7 @@
 """`megasparse plan`'s figures for the shipped 7B configs on 64, 256 and 512 GPUs of 80 GB: the layout users run at
 that size (8-way tensor parallelism inside a node, ZeRO-1 across nodes, bf16, sequences of 4,096 tokens with full
-activation checkpointing), for dense AdamW, SMET and Spectron, and the dense recipe with Llama 3 8B's shape.
+activation checkpointing), for dense AdamW, SMET (its masks whole on every tensor-parallel rank, and in 8 blocks) and
+Spectron, and the dense and SMET recipes with Llama 3 8B's shape.
 
     python benchmarks/cluster_plan.py --out benchmarks/results/cluster_plan.json
 
@@ -20,9 +21,12 @@ from common import benchmark_main, markdown_table, write_report  # noqa: E402
 
 # (label, shipped config, overrides, vocabulary): LLaMA 2's 32,000 pieces, Llama 3's 128,256
 CONFIGS = [("llama-7b, dense AdamW", "llama-7b", [], 32000),
-           ("llama-7b, SMET d = 0.25", "smet-llama-7b", [], 32000),
+           ("llama-7b, SMET d = 0.25, whole masks", "smet-llama-7b", ["sparse.mask_blocks=0"], 32000),
+           ("llama-7b, SMET d = 0.25, masks in 8 blocks", "smet-llama-7b", ["sparse.mask_blocks=8"], 32000),
            ("llama-7b, Spectron r = 0.25", "spectron-llama-7b", [], 32000),
-           ("llama3-8b, dense AdamW", "llama-7b", ["model.preset=llama3-8b"], 128256)]
+           ("llama3-8b, dense AdamW", "llama-7b", ["model.preset=llama3-8b"], 128256),
+           ("llama3-8b, SMET d = 0.25, masks in 8 blocks", "smet-llama-7b",
+            ["model.preset=llama3-8b", "sparse.mask_blocks=8"], 128256)]
 GPU_MEMORY_GB = 80
 
 

@@ -1,5 +1,5 @@
 """`megasparse plan`'s figures for SMET against dense AdamW where no machine here can run: llama-1b and llama-7b on
-64 and 512 GPUs at tensor-parallel degrees 1, 2, 4 and 8, bf16 and fp32, ZeRO-1/2/3, d = 0.5, 0.25 and 0.1, with
+8, 64 and 512 GPUs at tensor-parallel degrees 1, 2, 4 and 8, bf16 and fp32, ZeRO-1/2/3, d = 0.5, 0.25 and 0.1, with
 the masks whole on every tensor-parallel rank (``sparse.mask_blocks: 0``, before) and in 8 blocks, each rank
 holding its shard's (``sparse.mask_blocks: 8``, after).
 
@@ -32,7 +32,7 @@ MODELS = {
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", nargs="+", type=int, default=[64, 512])
+    parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 512])
     parser.add_argument("--tensor-parallel", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--densities", nargs="+", type=float, default=[0.5, 0.25, 0.1])
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_model, checkpoint, megasparse, tiny_config, train_losses, write_config
+from helpers import (METHODS, assert_same_model, checkpoint, megasparse, one_error_line, tiny_config, train_losses,
+                     write_config)
 
 from megasparse.checkpoint.files import open_checkpoint
 from megasparse.checkpoint.state import read_training_state
@@ -113,6 +114,17 @@ def test_resume_is_exact_with_masks_in_blocks(runs, dataset, tmp_path):
     megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(step4), nproc=4).check()
     assert train_losses(tmp_path / "resumed") == train_losses(uninterrupted)[4:]
     assert_same_model(whole(tmp_path / "resumed", 8), whole(uninterrupted, 8), rel=0.0)
+
+
+def test_a_checkpoint_resumes_only_with_its_own_mask_blocks(runs, dataset, tmp_path):
+    """Masks in blocks and whole-layer masks order the slots differently: resuming one with the other's setting is
+    refused in one line, before training."""
+    saved = runs(0, 1, 1, method="smet-blocks") / "checkpoints" / "step_00000004"
+    cfg = tiny_config(dataset, tmp_path / "out", "smet-blocks", sparse={**METHODS["smet-blocks"]["sparse"],
+                                                                       "mask_blocks": 0})
+    result = megasparse("train", str(write_config(tmp_path / "run.yaml", cfg)), "--resume", str(saved), nproc=1)
+    one_error_line(result, "was trained with sparse.mask_blocks=8; this config has 0")
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

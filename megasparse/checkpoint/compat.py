@@ -64,8 +64,8 @@ def check_compatible(meta: CheckpointMeta, cfg: Config, vocab_size: int | None, 
     if saved.training.precision != cfg.training.precision:
         raise UserError(f"checkpoint '{tag_dir}' is {saved.training.precision}; this config trains in "
                         f"{cfg.training.precision}")
-    keys = ["optimizer.name", "smet.mode"] + (["sparse.density", "sparse.init", "sparse.targets"]
-                                              if cfg.model.layer in ("sparse", "hybrid") else [])
+    sparse = ["sparse.density", "sparse.init", "sparse.targets", "sparse.mask_blocks"]  # which weights, their order
+    keys = ["optimizer.name", "smet.mode"] + (sparse if cfg.model.layer in ("sparse", "hybrid") else [])
     keys += ["spectron.orthogonalise"] if cfg.optimizer.name in ("spectron", "hybrid") else []  # momenta or moments
     for key in keys:
         section, name = key.split(".")
