@@ -67,6 +67,8 @@ class Blocks:
         """The flat positions, in the matrix that the k consecutive blocks form, of their local positions
         ``local`` (k x m), in slot order."""
         k = local.shape[0]
+        if self.count == 1:  # the whole matrix: its own positions
+            return local.reshape(-1)
         first = torch.arange(k, device=local.device).unsqueeze(1)
         if self.by_rows:
             return (local + first * self.numel).reshape(-1)
