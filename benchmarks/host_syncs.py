@@ -25,6 +25,7 @@ PACKAGES = ("megasparse", "deepspeed", "torch.optim", "torch")
 METHODS = {"dense": [], "smet": ["model.layer=sparse", "optimizer.name=smet", "sparse.update_interval=3"],
            "spectron": ["model.layer=lowrank", "optimizer.name=spectron"]}
 METHODS["smet-offsets"] = METHODS["smet"] + ["sparse.density=0.1"]  # its masks stored as offsets (sparse/mask.py)
+METHODS["smet-blocks"] = METHODS["smet"] + ["sparse.mask_blocks=8", "sparse.active_multiple=8"]  # sparse/blocks.py
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -61,12 +61,12 @@ def test_throughput_per_device_and_mfu(runs):
 def test_one_host_synchronisation_per_step(dataset, tmp_path):
     """megasparse makes the host wait for the device once per optimizer step (the step decision's read), counted
     by benchmarks/host_syncs.py for SMET at ZeRO-2, whose cohort tables were built on the host and copied for every
-    sparse tensor at every step, and whose guard read back once per parameter group, with its masks as bits and as
-    offsets; DeepSpeed's own waits (gradient norm, clipping) are counted apart. (The benchmark counts all three
+    sparse tensor at every step, and whose guard read back once per parameter group, with its masks as bits, as
+    offsets and in blocks; DeepSpeed's own waits (gradient norm, clipping) are counted apart. (The benchmark counts all three
     methods at ZeRO-0 and 2.)"""
     out = tmp_path / "syncs.json"
     subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "host_syncs.py"), "--methods", "smet",
-                    "smet-offsets", "--zero", "2", "--steps", "5", "--data", str(dataset), "--out", str(out)],
+                    "smet-offsets", "smet-blocks", "--zero", "2", "--steps", "5", "--data", str(dataset), "--out", str(out)],
                    check=True, capture_output=True)
     for result in json.loads(out.read_text())["results"]:
         assert result["per_step"]["megasparse"] == 1, result
