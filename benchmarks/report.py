@@ -41,6 +41,7 @@ import inference_speed  # noqa: E402
 import loader_memory  # noqa: E402
 import lowrank_init  # noqa: E402
 import lowrank_speed  # noqa: E402
+import mask_blocks  # noqa: E402
 import mask_codes  # noqa: E402
 import mixture_shares  # noqa: E402
 import model_build  # noqa: E402
@@ -91,6 +92,8 @@ BENCHMARKS = {
     "lowrank_init": "building a low-rank model: every rank's SVDs against shared ones",
     "rigl_memory": "peak memory of RigL's update step against an ordinary step",
     "sparse_inference": "a sparse block's products in CSR against dense, for inference",
+    "mask_blocks": "SMET's topology decided per block of the split side against per whole layer: validation loss over "
+                   "seeds",
     "mask_codes": "a sparse layer's mask as bits or offsets: bytes, and the time to list and store its positions",
     "inference_speed": "a factored export's prefill and decode speed against the dense export",
     "loader_memory": "the loader's host memory and time to the first batch against the corpus size",
@@ -111,6 +114,7 @@ MEASURED_AT = {
     "checkpoint_stall.json": ("bc27500 (2026-12-05)", None),
     "checkpoint_stall_unpooled.json": ("bc27500 (2026-12-05)", "11ad390"),
     "cluster_plan.json": ("37f1fba (2026-12-05)", None),
+    "mask_blocks.json": ("PENDING", "d51ed0e"),
     "compile_speed.json": ("3ce9594 (2026-12-01)", None),
     "host_syncs.json": ("4209bd4 (2026-12-01)", None),
     "host_syncs_before.json": ("4209bd4 (2026-12-01)", "e65ec62"),
@@ -216,6 +220,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "throughput": lambda: throughput.table(result("throughput")["runs"]),
     "checkpoint_stall": lambda: checkpoint_stall.table(result("checkpoint_stall")["runs"]),
     "cluster_plan": lambda: cluster_plan.table(result("cluster_plan")["runs"]),
+    "mask_blocks": lambda: mask_blocks.table(result("mask_blocks")["runs"]),
     "checkpoint_stall_unpooled": lambda: checkpoint_stall.table(result("checkpoint_stall_unpooled")["runs"]),
     "checkpoint_stall.stop": lambda: checkpoint_stall.stop_table(result("checkpoint_stall")["runs"]),
     "smet_memory": lambda: smet_memory.table(result("smet_memory")["runs"]),
