@@ -114,7 +114,7 @@ MEASURED_AT = {
     "checkpoint_stall.json": ("bc27500 (2026-12-05)", None),
     "checkpoint_stall_unpooled.json": ("bc27500 (2026-12-05)", "11ad390"),
     "cluster_plan.json": ("37f1fba (2026-12-05)", None),
-    "mask_blocks.json": ("PENDING", "d51ed0e"),
+    "mask_blocks.json": ("7d2159c (2026-12-07)", "d51ed0e"),
     "compile_speed.json": ("3ce9594 (2026-12-01)", None),
     "host_syncs.json": ("4209bd4 (2026-12-01)", None),
     "host_syncs_before.json": ("4209bd4 (2026-12-01)", "e65ec62"),
