@@ -60,6 +60,9 @@ METHODS["smet-blocks"] = {**METHODS["smet-tp"], "model": {**METHODS["smet-tp"]["
                           "sparse": {**METHODS["smet-tp"]["sparse"], "mask_blocks": 8, "active_multiple": 8}}
 METHODS["smet-blocks-rigl"] = {**METHODS["smet-blocks"], "sparse": {**METHODS["smet-blocks"]["sparse"],
                                                                     "regrow": "gradient", "density": 0.15}}
+# The same on 8 tensor-parallel ranks, one block each: 8 heads of 8 and an MLP width of 256 (unpadded over 8)
+METHODS["smet-blocks-tp8"] = {**METHODS["smet-blocks"], "model": {**METHODS["smet-blocks"]["model"], "n_heads": 8,
+                                                                  "ffn_dim": 256}}
 # Spectron on factorised projections (rank 0.25 x in_features) with AdamW on the rest.
 METHODS["spectron"] = {"model": {"layer": "lowrank"}, "optimizer": {"name": "spectron"}, "spectron": {"lr": 0.05}}
 # The ablation arm "renormalisation only": AdamW's direction for the factors (elementwise on ZeRO partitions).

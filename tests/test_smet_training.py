@@ -87,7 +87,8 @@ def test_tensor_and_data_parallel_sparse_layers_match_one_process(runs, zero, me
 
 
 BLOCK_LAYOUTS = [(1, 2, 2, "smet-blocks"), (2, 4, 2, "smet-blocks"), (3, 4, 2, "smet-blocks"),
-                 (2, 4, 2, "smet-blocks-rigl"), (1, 4, 4, "smet-blocks"), (1, 4, 4, "smet-blocks-rigl")]
+                 (2, 4, 2, "smet-blocks-rigl"), (1, 4, 4, "smet-blocks"), (1, 4, 4, "smet-blocks-rigl"),
+                 (1, 8, 8, "smet-blocks-tp8")]
 
 
 @pytest.mark.parametrize("zero,nproc,tp,method", BLOCK_LAYOUTS)
