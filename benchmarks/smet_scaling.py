@@ -109,7 +109,8 @@ def _worker(a: dict, result: Path) -> None:
     sparse, tp, blocks = a["density"] is not None, a.get("tensor_parallel", 1), a.get("mask_blocks", 0)
     method = ["model.layer=sparse", "optimizer.name=smet", f"sparse.density={a['density']}",
               "sparse.update_interval=1"] if sparse else []
-    method += [f"sparse.mask_blocks={blocks}", "sparse.active_multiple=8"] if blocks else []
+    method += ["sparse.active_multiple=8"] if sparse and (blocks or tp > 1) else []  # what 1, 2, 4 or 8 ranks share
+    method += [f"sparse.mask_blocks={blocks}"] if blocks else []
     layout = [f"parallel.tensor_parallel={tp}", "model.ffn_dim=704"] if tp > 1 else []
     out = result.parent / "run"
     overrides = short_run_overrides(PRESET, a["data"], SEQ_LEN, 2, 2, 2 * a["ranks"] // tp, out)
