@@ -1,13 +1,14 @@
-"""Tensor-parallel traffic: bytes all-reduced per step, low-rank against dense layers, counted.
+"""Tensor-parallel traffic: bytes sent per step, low-rank and sparse against dense layers, counted.
 
     python benchmarks/tp_traffic.py --preset llama-60m --out benchmarks/results/tp_traffic.json
 
 On 2 tensor-parallel ranks, every tensor handed to a deepspeed.comm collective on the
 tensor-parallel group is counted (per rank, input bytes). Per layer: each projection shape of
-the preset, dense (column- or row-parallel linear) and low-rank (rank 0.25 x in_features),
-through one forward and backward pass over ``--tokens`` tokens. Per model: one training step
-(the same global batch of ``--tokens`` tokens) of the whole dense and low-rank model, which adds
-the vocabulary-parallel embedding and loss.
+the preset, dense (column- or row-parallel linear), low-rank (rank 0.25 x in_features) and SMET's sparse
+layer at d = 0.25 with its mask whole on every rank (whole-layer decisions) and in 8 blocks
+(``sparse.mask_blocks: 8``), through one forward and backward pass over ``--tokens`` tokens. Per model: one
+training step (the same global batch of ``--tokens`` tokens) of the whole model of each kind, which adds the
+vocabulary-parallel embedding and loss.
 """
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ from common import (REPO, Collectives, benchmark_main, markdown_table, run_worke
                     short_run_overrides, start_trainer, write_report)
 
 
+MODEL_KINDS = {"dense": [], "lowrank": ["model.layer=lowrank", "optimizer.name=spectron"],
+               "smet": ["model.layer=sparse", "optimizer.name=smet", "sparse.density=0.25", "sparse.active_multiple=8"]}
+MODEL_KINDS["smet_blocks"] = MODEL_KINDS["smet"] + ["sparse.mask_blocks=8"]
+
+
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama-60m")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (sequences of 256)")
@@ -30,7 +36,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> None:
     settings = {"preset": args.preset, "tokens": args.tokens, "data": args.data}
     layers = run_workers(__file__, 2, {**settings, "what": "layers"})
-    models = {kind: run_workers(__file__, 2, {**settings, "what": "model", "kind": kind}) for kind in ("dense", "lowrank")}
+    models = {kind: run_workers(__file__, 2, {**settings, "what": "model", "kind": kind}) for kind in MODEL_KINDS}
     print(table(layers, models))
     write_report(args.out, {"settings": {**settings, "tensor_parallel": 2}, "layers": layers, "models": models})
 
@@ -42,8 +48,7 @@ def _worker(a: dict, result: Path) -> None:
         sequences = a["tokens"] // 256
         trainer = start_trainer(
             short_run_overrides(a["preset"], a["data"], 256, 1, sequences, sequences, result.parent / "run")
-            + ["parallel.tensor_parallel=2",
-               *(["model.layer=lowrank", "optimizer.name=spectron"] if a["kind"] == "lowrank" else [])])
+            + ["parallel.tensor_parallel=2", *MODEL_KINDS[a["kind"]]])
         counter = Collectives()
         trainer.run()
         out = {"bytes_per_step": counter.bytes_of(trainer.parallel.tensor_parallel_group),
@@ -69,6 +74,7 @@ def _layer_traffic(a: dict) -> list[dict]:
     from megasparse.parallel.launch_env import discover_launch_env
     from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, WeightInit
     from megasparse.parallel.mappings import TensorParallel
+    from megasparse.sparse.layer import SparseLinear
 
     init_distributed(discover_launch_env(), 30.0)
     state = create_groups(2, timedelta(minutes=30))
@@ -82,6 +88,8 @@ def _layer_traffic(a: dict) -> list[dict]:
             "dense": (ColumnParallelLinear if column else RowParallelLinear)(in_features, out_features, tp,
                                                                                      WeightInit(0.02)),
             "lowrank": LowRankLinear(in_features, out_features, rank, WeightInit(0.02), tp, "column" if column else "row"),
+            **{kind: SparseLinear(in_features, out_features, 0.25, WeightInit(0.02), tp, "column" if column else "row",
+                                  blocks=blocks) for kind, blocks in (("smet", 0), ("smet_blocks", 8))},
         }
         row = {"role": role, "shape": [out_features, in_features], "split": "column" if column else "row",
                "rank": rank}
@@ -97,14 +105,18 @@ def _layer_traffic(a: dict) -> list[dict]:
 
 
 def table(layers: list[dict], models: dict) -> str:
+    def megabytes(value: float | None) -> str:
+        return "-" if value is None else f"{value / 1e6:.2f}"
+
     rows = [[r["role"], f"{r['shape'][0]} x {r['shape'][1]}", r["split"], str(r["rank"]),
-             f"{r['dense_bytes'] / 1e6:.2f}", f"{r['lowrank_bytes'] / 1e6:.2f}",
-             f"{r['lowrank_bytes'] / r['dense_bytes']:.3f}"] for r in layers]
-    rows.append(["whole model, one step", "", "", "", f"{models['dense']['bytes_per_step'] / 1e6:.2f}",
-                 f"{models['lowrank']['bytes_per_step'] / 1e6:.2f}",
-                 f"{models['lowrank']['bytes_per_step'] / models['dense']['bytes_per_step']:.3f}"])
+             megabytes(r["dense_bytes"]), megabytes(r["lowrank_bytes"]), f"{r['lowrank_bytes'] / r['dense_bytes']:.3f}",
+             megabytes(r.get("smet_bytes")), megabytes(r.get("smet_blocks_bytes"))] for r in layers]
+    step = {kind: models[kind]["bytes_per_step"] if kind in models else None for kind in MODEL_KINDS}
+    rows.append(["whole model, one step", "", "", "", megabytes(step["dense"]), megabytes(step["lowrank"]),
+                 f"{step['lowrank'] / step['dense']:.3f}", megabytes(step["smet"]), megabytes(step["smet_blocks"])])
     return markdown_table(["layer", "W (out x in)", "split", "rank", "dense TP (MB/step/rank)",
-                           "low-rank TP (MB/step/rank)", "low-rank / dense"], "llllrrr", rows)
+                           "low-rank TP (MB/step/rank)", "low-rank / dense", "SMET d = 0.25, whole masks (MB)",
+                           "SMET d = 0.25, 8 blocks (MB)"], "llllrrrrr", rows)
 
 
 if __name__ == "__main__":
