@@ -176,7 +176,7 @@ MEASURED_AT = {
     "spectron_step.json": ("eaeb235 (2026-12-01)", None),
     "spectron_step_before.json": ("eaeb235 (2026-12-01)", "45b4853"),
     "throughput.json": ("f8e7254 (2026-11-29)", None),
-    "tp_traffic.json": ("55cd2be (2026-11-29)", None),
+    "tp_traffic.json": ("a3e55c2 (2026-12-07)", None),
     "zero3_memory.json": ("693ed5d (2026-12-01)", None),
 }
 
