@@ -75,6 +75,9 @@ METHODS["spectron-adam"] = {**METHODS["spectron"], "spectron": {"lr": 0.01, "ort
 METHODS["hybrid"] = {"model": {"layer": "hybrid"}, "optimizer": {"name": "hybrid", "lr": 1e-3, "min_lr": 3e-5},
                      "sparse": {"density": 0.15, "update_interval": 3}, "smet": {"slot_warmup_steps": 3},
                      "spectron": {"lr": 0.05}}
+# W = A B + S with its residual's masks in 8 blocks (active counts in multiples of 8)
+METHODS["hybrid-blocks"] = {**METHODS["hybrid"], "sparse": {**METHODS["hybrid"]["sparse"], "mask_blocks": 8,
+                                                              "active_multiple": 8}}
 # llama-tiny with an MLP width that 2 tensor-parallel ranks cannot share in aligned halves (180: stored as 184 on
 # one rank, 2 x 96 on two), as llama-1b's 5461 is on 2-8 ranks.
 for _method in ("dense", "spectron", "smet-tp-rigl"):

@@ -88,16 +88,17 @@ def test_tensor_and_data_parallel_sparse_layers_match_one_process(runs, zero, me
 
 BLOCK_LAYOUTS = [(1, 2, 2, "smet-blocks"), (2, 4, 2, "smet-blocks"), (3, 4, 2, "smet-blocks"),
                  (2, 4, 2, "smet-blocks-rigl"), (1, 4, 4, "smet-blocks"), (1, 4, 4, "smet-blocks-rigl"),
-                 (1, 8, 8, "smet-blocks-tp8")]
+                 (1, 8, 8, "smet-blocks-tp8"), (1, 4, 2, "hybrid-blocks")]
 
 
 @pytest.mark.parametrize("zero,nproc,tp,method", BLOCK_LAYOUTS)
 def test_masks_in_blocks_split_over_tensor_parallel_ranks_equal_one_process(runs, zero, nproc, tp, method):
     """With sparse.mask_blocks each tensor-parallel rank decides and stores only its shard's blocks (its module
-    file holds 1/T of every mask), and every layout, with SET and RigL, gives one process's masks, its losses
-    within 1e-5 and its weights within TP_WEIGHTS."""
+    file holds 1/T of every mask), and every layout, with SET and RigL, and the hybrid's residual, gives one
+    process's masks, its losses within 1e-5 and its weights within TP_WEIGHTS."""
     reference, run = runs(0, 1, 1, method=method), runs(zero, nproc, 1, method=method, tp=tp)
-    assert [r["step"] for r in read_metrics(run, "topology")] == [2, 4, 6]
+    updates = [r["step"] for r in read_metrics(run, "topology")]
+    assert updates == [r["step"] for r in read_metrics(reference, "topology")] and len(updates) >= 2
     assert train_losses(run) == pytest.approx(train_losses(reference), rel=1e-5)
     for step in (4, 8):
         assert_same_model(whole(run, step), whole(reference, step), rel=TP_WEIGHTS)
