@@ -151,7 +151,7 @@ MEASURED_AT = {
     "smet_scaling.json": ("e7b080b (2026-12-03)", "9e5dd93"),
     "smet_scaling_bitmask.json": ("38c0d9a (2026-12-02)", "1bcf91e"),
     "smet_scaling_before.json": ("1e2431b (2026-12-02)", "6ea818d"),
-    "smet_scaling_tp.json": ("013d4a4 (2026-12-07)", "90ae780"),
+    "smet_scaling_tp.json": ("ca3f02e (2026-12-07)", "90ae780"),
     "smet_plan.json": ("013d4a4 (2026-12-07)", None),
     "model_build.json": ("56c68e0 (2026-12-02)", "3a9b664"),
     "smet_speed.json": ("93bd49d (2026-11-29)", None),
