@@ -50,17 +50,23 @@ class Blocks:
     def pack(self, active: torch.Tensor) -> torch.Tensor:
         """The mask code of consecutive blocks from their boolean masks (k x n_b, ``active`` set in each): k codes
         one after another."""
+        if active.shape[0] == 1:  # no copy to join one code
+            return pack(active[0], self.active)
         return torch.cat([pack(block, self.active) for block in active])
 
     def unpack(self, code: torch.Tensor) -> torch.Tensor:
         """The boolean masks (k x n_b) of the consecutive blocks whose codes ``code`` holds."""
         codes = code.view(-1, self.code_bytes)
+        if codes.shape[0] == 1:
+            return unpack(codes[0], self.numel, self.active).unsqueeze(0)
         return torch.stack([unpack(block, self.numel, self.active) for block in codes])
 
     def local_positions(self, code: torch.Tensor) -> torch.Tensor:
         """Each block's active local positions, ascending (k x m, int64), from the codes ``code`` of k consecutive
         blocks; without a host synchronisation."""
         codes = code.view(-1, self.code_bytes)
+        if codes.shape[0] == 1:  # one block (the whole matrix): its positions, not a stacked copy
+            return active_positions(codes[0], self.numel, self.active).unsqueeze(0)
         return torch.stack([active_positions(block, self.numel, self.active) for block in codes])
 
     def held_positions(self, local: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,10 @@ class SparseLinear(nn.Module):
                              padded_width(in_features, tp.size) if pad and parallel == "row" else in_features)
         numel = in_features * out_features
         self.nnz = max(1, round(density * numel))  # active weights of the whole layer
-        if blocks and self.nnz % blocks:
-            raise ValueError(f"{blocks} blocks cannot share {self.nnz} active weights evenly")
+        padded = self.parallel is not None and self.stored_shape != (out_features, in_features)
+        if blocks and (self.nnz % blocks or blocks % tp.size or padded):  # the configuration refuses these first
+            raise ValueError(f"{blocks} blocks cannot share the {self.nnz} active weights of a {out_features} x "
+                             f"{in_features} matrix over {tp.size} tensor-parallel ranks evenly (padded: {padded})")
         self.blocks = Blocks(out_features, in_features, blocks or 1, parallel != "row", self.nnz // (blocks or 1))
         # the blocks this rank holds and decides: its shard's B / T, or the whole layer
         self.held_blocks = self.blocks.count // tp.size if blocks and self.parallel else self.blocks.count
