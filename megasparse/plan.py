@@ -212,7 +212,8 @@ def _masks_at_zero3(cfg: Config, gpus: int, vocab_size: int, ours: Plan, dense: 
     zero3 = projections(plan(staged, gpus, vocab_size)) / projections(plan(dense_counterpart(staged), gpus, vocab_size))
     whole = dense.projections["weights"]  # what stays whole as ranks are added: the module's weights and masks
     positions = whole * cfg.parallel.tensor_parallel / (2 if cfg.training.precision == "bf16" else 4)  # of every W
-    held = "each tensor-parallel rank's blocks" if cfg.sparse.mask_blocks else "whole on every rank"
+    split = cfg.sparse.mask_blocks and cfg.parallel.tensor_parallel > 1
+    held = "each tensor-parallel rank's blocks" if split else "whole on every rank"
     per_weight = ours.projections["masks"] / positions  # what a rank's masks cost per weight of the whole W
     limit = (ours.projections["weights"] + ours.projections["masks"]) / whole
     return (f"masks: {held} at ZeRO-{cfg.parallel.zero_stage} ({per_weight:.3f} byte per weight of W, "
